@@ -1,0 +1,429 @@
+"""rollout.py: the inference worker (pull weights, generate, score, send rollouts) and pass@k evaluation.
+
+Design:
+  * Generation is a jit-compiled KV-cache loop over a fixed number of *slots* (continuous batching): every
+    `--chunk_steps` decode steps the host looks at which slots finished (stop token or max new tokens), hands
+    their groups to the verifiers, and refills the free slots with newly leased prompts. A prompt with G samples
+    is prefilled once and its cache row broadcast into G slots.  Host syncs happen once per chunk, never per token.
+  * Behaviour log-probs are the log-probs of the distribution actually sampled from: logits / temperature, then
+    top-k / top-p truncation, renormalised, in fp32.  With temperature-only sampling (the default) that is exactly
+    what the trainer recomputes (losses.token_logprobs_and_entropy(..., temperature)); with top-k/top-p the
+    trainer's ratio includes the truncation and truncated IS corrects for it.
+  * RNG is deterministic per prompt: sample j of prompt id p uses fold_in(fold_in(seed, hash(p)), j) and
+    step t folds in t, so a re-issued prompt with the same weights reproduces the same tokens.
+  * Weights are swapped between chunks when the server has a newer version; a rollout is tagged with the oldest
+    version that produced any of its tokens (its staleness bound is conservative).  Groups whose version is
+    more than --max_staleness versions behind the newest are regenerated before they are sent.
+  * Preemption: SIGTERM stops leasing, finishes the groups in flight for at most --drain_s seconds, sends them,
+    and returns (releases) the rest so the server re-issues them at once.  kill -9 loses only leases, which
+    expire on the server and are re-issued.
+
+Run:
+  worker (CPU, one TPU host): python rollout.py --server=127.0.0.1:5555 --token_file=runs/x/token \
+      --tokenizer=runs/x/tokenizer.model
+  eval:  python rollout.py --mode=eval --checkpoint=runs/x/base --tokenizer=runs/x/tokenizer.model \
+      --eval_n=200 --k=8 --out=runs/x/eval_before.json
+  On a pod launch.sh starts one worker per inference host (see launch.sh v5p-N --dry_run).
+"""
+import dataclasses
+import functools
+import json
+import math
+import os
+import signal
+import sys
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import data
+import model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  temperature: float = 1.0  # 0 = greedy
+  top_k: int = 0  # 0 = off
+  top_p: float = 1.0  # 1 = off
+  max_new_tokens: int = 32
+  stop_ids: tuple = ()
+
+  def __post_init__(self):
+    if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_new_tokens < 1:
+      raise ValueError(f"bad sampling config {self}")
+
+
+def sampling_logprobs(logits, sc: SamplingConfig):
+  """[B,V] fp32 logits -> [B,V] log-probs of the distribution we sample from (temperature, top-k, top-p)."""
+  x = logits.astype(jnp.float32) / (sc.temperature if sc.temperature > 0 else 1.0)
+  if sc.top_k:
+    kth = jax.lax.top_k(x, sc.top_k)[0][:, -1:]
+    x = jnp.where(x < kth, -jnp.inf, x)
+  if sc.top_p < 1.0:
+    # Keep the smallest prefix of the sorted distribution whose mass reaches top_p (the top token always stays).
+    order = jnp.argsort(-x, axis=-1)
+    sx = jnp.take_along_axis(x, order, -1)
+    sp = jax.nn.softmax(sx, -1)
+    keep_sorted = (jnp.cumsum(sp, -1) - sp) < sc.top_p
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(x.shape[0])[:, None], order].set(keep_sorted)
+    x = jnp.where(keep, x, -jnp.inf)
+  return jax.nn.log_softmax(x, -1)
+
+
+def sample(logits, keys, sc: SamplingConfig):
+  """Returns (tokens [B] int32, behaviour log-probs [B] fp32)."""
+  logp = sampling_logprobs(logits, sc)
+  if sc.temperature == 0:
+    tok = jnp.argmax(logp, -1)
+  else:
+    tok = jax.vmap(jax.random.categorical)(keys, logp)
+  return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
+
+
+def prompt_key(seed: int, prompt_id: str):
+  return jax.random.fold_in(jax.random.PRNGKey(seed), zlib.crc32(prompt_id.encode()) & 0x7FFFFFFF)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Continuous-batching generation engine
+
+
+class Engine:
+  """Slots x KV cache generation.  Host API: insert(slots, prompt_tokens, keys), run_chunk(), finished rows."""
+
+  def __init__(self, cfg, sc: SamplingConfig, slots: int, max_prompt_len: int, chunk_steps: int = 8,
+               attn_impl="auto", prompt_buckets=(16, 32, 64, 128, 256, 512, 1024, 2048)):
+    self.cfg, self.sc, self.B, self.chunk_steps = cfg, sc, slots, chunk_steps
+    self.M = sc.max_new_tokens
+    self.buckets = tuple(b for b in prompt_buckets if b < max_prompt_len) + (max_prompt_len,)
+    # A finished slot keeps decoding until the next host sync, so leave chunk_steps of slack in the cache.
+    self.S = max_prompt_len + self.M + chunk_steps
+    self.attn_impl = attn_impl
+    self.state = None
+    self._chunk = jax.jit(self._chunk_fn, donate_argnums=(1,))
+    self._insert = jax.jit(self._insert_fn, donate_argnums=(1,))
+
+  def reset(self, dtype):
+    B, M, cfg = self.B, self.M, self.cfg
+    self.state = dict(
+        cache=model.init_cache(cfg, B, self.S, dtype),
+        logits=jnp.zeros((B, cfg.vocab_size), jnp.float32),
+        active=jnp.zeros((B,), bool),
+        n_gen=jnp.zeros((B,), jnp.int32),
+        tokens=jnp.zeros((B, M), jnp.int32),
+        logp=jnp.zeros((B, M), jnp.float32),
+        keys=jnp.zeros((B, 2), jnp.uint32),
+    )
+
+  def _insert_fn(self, params, st, prompt, length, slots, keys):
+    # Prefill one prompt (batch 1) and broadcast its cache row into the G slots of its group.
+    one = model.init_cache(self.cfg, 1, self.S, st["cache"]["k"].dtype)
+    logits, one = model.prefill(params, self.cfg, prompt[None], length[None], one, attn_impl=self.attn_impl)
+    c = st["cache"]
+    cache = dict(c, k=c["k"].at[:, slots].set(one["k"][:, 0][:, None]),
+                 v=c["v"].at[:, slots].set(one["v"][:, 0][:, None]),
+                 lengths=c["lengths"].at[slots].set(length))
+    return dict(st, cache=cache, logits=st["logits"].at[slots].set(logits[0]),
+                active=st["active"].at[slots].set(True), n_gen=st["n_gen"].at[slots].set(0),
+                tokens=st["tokens"].at[slots].set(0), logp=st["logp"].at[slots].set(0.0),
+                keys=st["keys"].at[slots].set(keys))
+
+  def _chunk_fn(self, params, st):
+    sc, B, M = self.sc, self.B, self.M
+    stop = jnp.asarray(sc.stop_ids or (-1,), jnp.int32)
+    rows = jnp.arange(B)
+
+    def step(st, _):
+      keys = jax.vmap(jax.random.fold_in)(st["keys"], st["n_gen"])
+      tok, lp = sample(st["logits"], keys, sc)
+      live = st["active"]
+      idx = jnp.minimum(st["n_gen"], M - 1)
+      tokens = st["tokens"].at[rows, idx].set(jnp.where(live, tok, st["tokens"][rows, idx]))
+      logp = st["logp"].at[rows, idx].set(jnp.where(live, lp, st["logp"][rows, idx]))
+      n_gen = st["n_gen"] + live
+      done = live & (jnp.isin(tok, stop) | (n_gen >= M))
+      old_len = st["cache"]["lengths"]
+      logits, cache = model.decode_step(params, self.cfg, tok, st["cache"], attn_impl=self.attn_impl)
+      # Inactive slots must not grow: their cache rows are dead until the next insert overwrites them.
+      cache = dict(cache, lengths=jnp.where(live, cache["lengths"], old_len))
+      return dict(st, cache=cache, logits=logits, active=live & ~done, n_gen=n_gen, tokens=tokens, logp=logp), None
+
+    st, _ = jax.lax.scan(step, st, None, length=self.chunk_steps)
+    return st
+
+  def bucket(self, n):
+    for b in self.buckets:
+      if n <= b:
+        return b
+    raise ValueError(f"prompt of {n} tokens exceeds max_prompt_len={self.buckets[-1]}")
+
+  def insert(self, params, slots, prompt_tokens, keys):
+    n = len(prompt_tokens)
+    padded = np.zeros(self.bucket(n), np.int32)
+    padded[:n] = prompt_tokens
+    self.state = self._insert(params, self.state, jnp.asarray(padded), jnp.int32(n),
+                              jnp.asarray(slots, jnp.int32), keys)
+
+  def run_chunk(self, params):
+    self.state = self._chunk(params, self.state)
+    # One host sync per chunk: which slots are still generating.
+    return np.asarray(self.state["active"])
+
+  def rows(self, slots):
+    """Host copies of (tokens, logp, n_gen) for the given slots; completions include the stop token."""
+    s = jnp.asarray(slots, jnp.int32)
+    return (np.asarray(self.state["tokens"][s]), np.asarray(self.state["logp"][s]),
+            np.asarray(self.state["n_gen"][s]))
+
+
+def generate_groups(engine, params, items, group_size, seed, on_group=None):
+  """Runs `items` (list of (prompt_id, prompt_tokens)) through the engine, G samples each; continuous batching.
+
+  Returns {prompt_id: (list of completion token arrays, list of logp arrays)} (also passed to on_group as they
+  finish). Used by eval and by tests; the worker loop below interleaves the same steps with the server.
+  """
+  G, B = group_size, engine.B
+  if B < G:
+    raise ValueError(f"slots={B} < group_size={G}")
+  pending, out, groups = list(items), {}, {}  # groups: pid -> slots
+  free = list(range(B))
+  while pending or groups:
+    while pending and len(free) >= G:
+      pid, toks = pending.pop(0)
+      slots, free = free[:G], free[G:]
+      keys = jax.vmap(lambda j, k=prompt_key(seed, pid): jax.random.fold_in(k, j))(jnp.arange(G))
+      engine.insert(params, slots, toks, keys)
+      groups[pid] = slots
+    active = engine.run_chunk(params)
+    for pid, slots in list(groups.items()):
+      if not active[slots].any():
+        toks, lps, n = engine.rows(slots)
+        res = ([toks[i, :n[i]] for i in range(G)], [lps[i, :n[i]] for i in range(G)])
+        out[pid] = res
+        if on_group:
+          on_group(pid, *res)
+        free += slots
+        del groups[pid]
+  return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Unbiased pass@k estimator (Chen et al. 2021, "Evaluating LLMs trained on code"): 1 - C(n-c,k)/C(n,k)."""
+  if n < k:
+    raise ValueError(f"pass@{k} needs n >= k samples, got n={n}")
+  if n - c < k:
+    return 1.0
+  return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate(cfg, params, tok, problems, *, n_samples, ks, sc, slots, seed, template="plain", pool=None):
+  """pass@k for each k in ks over problems, n_samples samples each. Returns a dict of metrics."""
+  enc = {p.id: tok.encode(data.render_prompt(p, template), add_bos=True) for p in problems}
+  engine = Engine(cfg, sc, slots=max(slots, n_samples), max_prompt_len=max(map(len, enc.values())))
+  engine.reset(jax.tree.leaves(params)[0].dtype)
+  t0 = time.time()
+  res = generate_groups(engine, params, list(enc.items()), n_samples, seed)
+  by_id = {p.id: p for p in problems}
+  pids = list(res)
+  comps = [tok.decode(c.tolist()) for pid in pids for c in res[pid][0]]
+  probs = [by_id[pid] for pid in pids for _ in range(n_samples)]
+  scores = pool.score(probs, comps) if pool else [data.verify(p, c) for p, c in zip(probs, comps)]
+  correct = np.asarray(scores).reshape(len(pids), n_samples) > 0.5
+  out = {f"pass@{k}": float(np.mean([pass_at_k(n_samples, int(c.sum()), k) for c in correct])) for k in ks}
+  out.update(n_problems=len(pids), n_samples=n_samples, temperature=sc.temperature, seconds=time.time() - t0,
+             examples=[(probs[i].prompt, comps[i]) for i in range(0, min(len(comps), 5 * n_samples), n_samples)])
+  return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The worker: absl entry point
+
+from absl import app, flags, logging  # noqa: E402  (flags only in the entry point, below the library part)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("mode", "worker", ["worker", "eval"], "worker: serve the RL run; eval: pass@k of --checkpoint.")
+flags.DEFINE_string("server", "127.0.0.1:5555", "Parameter server host:port. Default 127.0.0.1:5555.")
+flags.DEFINE_string("token_file", None, "File holding the server's shared secret (needed to lease/put). Default none.")
+flags.DEFINE_string("tokenizer", None, "Tokenizer: sentencepiece .model or a dir with tokenizer.json. Required.")
+flags.DEFINE_string("checkpoint", None, "HF checkpoint dir (eval mode; worker mode waits for pushed weights).")
+flags.DEFINE_string("worker_id", None, "Name used in logs and rollout records. Default host-pid.")
+flags.DEFINE_integer("slots", 32, "Concurrent sequences in the decode batch. Default 32.")
+flags.DEFINE_integer("chunk_steps", 8, "Decode steps between host syncs (refill granularity). Default 8.")
+flags.DEFINE_integer("max_prompt_len", 64, "Longest prompt in tokens. Default 64.")
+flags.DEFINE_integer("max_new_tokens", 16, "Completion budget in tokens. Default 16.")
+flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy). Default 1.0.")
+flags.DEFINE_integer("top_k", 0, "Top-k truncation (0 = off). Default 0.")
+flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) mass (1 = off). Default 1.0.")
+flags.DEFINE_integer("max_staleness", 4, "Regenerate groups more than this many policy versions old. Default 4.")
+flags.DEFINE_float("lease_s", 120.0, "Seconds a leased prompt stays ours before the server re-issues it. Default 120.")
+flags.DEFINE_float("drain_s", 10.0, "On SIGTERM, seconds spent finishing in-flight groups. Default 10.")
+flags.DEFINE_integer("verifier_workers", 2, "Verifier process-pool size. Default 2.")
+flags.DEFINE_float("verifier_timeout_s", 10.0, "Per-completion verifier timeout in seconds. Default 10.")
+flags.DEFINE_integer("seed", 0, "Sampling seed (folded with the prompt id). Default 0.")
+flags.DEFINE_string("attn_impl", "auto", "Attention path: auto (Pallas on TPU), ref or pallas. Default auto.")
+flags.DEFINE_string("template", "plain", "Prompt template passed to data.render_prompt. Default plain.")
+# Eval mode.
+flags.DEFINE_string("eval_task", "arithmetic", "Built-in task for eval (ignored with --eval_jsonl). Default arithmetic.")
+flags.DEFINE_integer("eval_difficulty", 3, "Built-in task difficulty for eval. Default 3.")
+flags.DEFINE_string("eval_jsonl", None, "Held-out jsonl prompts instead of a built-in task. Default none.")
+flags.DEFINE_integer("eval_n", 200, "Number of held-out problems. Default 200.")
+flags.DEFINE_integer("k", 8, "Samples per problem; reports pass@1 and pass@k. Default 8.")
+flags.DEFINE_string("out", None, "Write eval metrics as JSON here. Default none.")
+
+
+class _Stop:
+  """SIGTERM/SIGINT set a flag the loop polls; a TPU preemption notice arrives as SIGTERM."""
+
+  def __init__(self):
+    self.requested = False
+    signal.signal(signal.SIGTERM, self._set)
+    signal.signal(signal.SIGINT, self._set)
+
+  def _set(self, *_):
+    self.requested = True
+
+
+def _client(token):
+  import param_server
+  host, port = FLAGS.server.rsplit(":", 1)
+  return param_server.Client(host, int(port), token=token)
+
+
+def run_worker():
+  import param_server  # noqa: F401  (imported here so eval mode needs no server)
+  stop = _Stop()
+  wid = FLAGS.worker_id or f"{os.uname().nodename}-{os.getpid()}"
+  token = open(FLAGS.token_file).read().strip() if FLAGS.token_file else None
+  client = _client(token)
+  tok = data.load_tokenizer(FLAGS.tokenizer)
+  pool = data.VerifierPool(FLAGS.verifier_workers, timeout_s=FLAGS.verifier_timeout_s)
+  sc = SamplingConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.max_new_tokens, (tok.eos_id,))
+
+  # Wait for the first published weights; the trainer publishes version >= 0 at startup.
+  logging.info("worker %s waiting for weights", wid)
+  got = None
+  while got is None and not stop.requested:
+    got = client.pull(newer_than=-1, wait_s=5.0)
+  if got is None:
+    return
+  version, flat = got
+  cfg = model.Config.from_hf_dict(json.loads(flat.pop("__config__").tobytes().decode()))
+  params = jax.tree.map(jnp.asarray, model.unflatten_params(flat))
+  engine = Engine(cfg, sc, FLAGS.slots, FLAGS.max_prompt_len, FLAGS.chunk_steps, FLAGS.attn_impl)
+  engine.reset(jax.tree.leaves(params)[0].dtype)
+  free = list(range(FLAGS.slots))
+  groups = {}  # item id -> dict(item, slots, version, t0)
+  n_sent, t_start, tokens_out = 0, time.time(), 0
+  drain_deadline = None
+
+  def start(item):
+    G = int(item["group_size"])
+    slots = [free.pop(0) for _ in range(G)]
+    keys = jax.vmap(lambda j, k=prompt_key(FLAGS.seed, item["id"]): jax.random.fold_in(k, j))(jnp.arange(G))
+    engine.insert(params, slots, np.asarray(item["prompt_tokens"], np.int32), keys)
+    groups[item["id"]] = dict(item=item, slots=slots, version=version, t0=time.time())
+
+  while True:
+    if stop.requested and drain_deadline is None:
+      drain_deadline = time.time() + FLAGS.drain_s
+      logging.info("worker %s: SIGTERM, draining %d groups", wid, len(groups))
+    if drain_deadline is not None and (not groups or time.time() > drain_deadline):
+      break
+    # New weights between chunks; in-flight groups keep their (older) tag.
+    got = client.pull(newer_than=version)
+    if got is not None:
+      version, flat = got
+      flat.pop("__config__", None)
+      params = jax.tree.map(jnp.asarray, model.unflatten_params(flat))
+    # Refill free slots with leased prompts (none while draining).
+    if drain_deadline is None and free:
+      max_g = max(1, len(free) // 8)
+      items = client.get("prompts", max_items=max_g, wait_s=0.0 if groups else 1.0, lease_s=FLAGS.lease_s)
+      for item in items:
+        if int(item["group_size"]) > FLAGS.slots:
+          raise ValueError(f"group_size={item['group_size']} > --slots={FLAGS.slots}")
+        if int(item["group_size"]) <= len(free):
+          start(item)
+        else:  # not enough room now: hand it straight back so another worker can take it
+          client.release("prompts", [item["id"]])
+    if not groups:
+      continue
+    active = engine.run_chunk(params)
+    done = [gid for gid, g in groups.items() if not active[g["slots"]].any()]
+    if not done:
+      continue
+    latest = client.latest_version()
+    for gid in done:
+      g = groups.pop(gid)
+      toks, lps, n = engine.rows(g["slots"])
+      free.extend(g["slots"])
+      if latest - g["version"] > FLAGS.max_staleness and drain_deadline is None:
+        start(g["item"])  # too stale for the trainer: regenerate with the newest weights
+        continue
+      it = g["item"]
+      problem = data.Problem(id=it["prompt_id"], prompt=it["prompt"], answer=it["answer"], task=it["task"],
+                             tests=tuple(it["tests"]) if it.get("tests") else None)
+      comps = [toks[i, :n[i]] for i in range(len(g["slots"]))]
+      rewards = pool.score([problem] * len(comps), [tok.decode(c.tolist()) for c in comps])
+      rollout = dict(id=gid, prompt_id=it["prompt_id"], version=int(g["version"]), worker=wid,
+                     prompt_tokens=np.asarray(it["prompt_tokens"], np.int32),
+                     completions=[c.astype(np.int32) for c in comps],
+                     logprobs=[lps[i, :n[i]].astype(np.float32) for i in range(len(comps))],
+                     rewards=np.asarray(rewards, np.float32), gen_s=time.time() - g["t0"])
+      client.put("rollouts", [rollout])
+      # Ack the prompt only after its rollout is safely queued: a crash in between re-issues the prompt, and
+      # the server drops the duplicate rollout by id.
+      client.ack("prompts", [gid])
+      n_sent += 1
+      tokens_out += int(n.sum())
+    if n_sent and n_sent % 20 == 0:
+      el = time.time() - t_start
+      logging.info("worker %s v%d: %d groups sent, %.1f tok/s", wid, version, n_sent, tokens_out / el)
+  if groups:  # return unfinished prompts so they are re-issued now rather than after the lease expires
+    client.release("prompts", list(groups))
+  logging.info("worker %s stopped after %d groups", wid, n_sent)
+
+
+def run_eval():
+  tok = data.load_tokenizer(FLAGS.tokenizer)
+  cfg, params = model.load_hf_checkpoint(FLAGS.checkpoint)
+  if FLAGS.eval_jsonl:
+    problems = data.load_jsonl(FLAGS.eval_jsonl)[:FLAGS.eval_n]
+  else:
+    problems = data.make_task_problems(FLAGS.eval_task, FLAGS.eval_n, FLAGS.eval_difficulty, seed=1234,
+                                       split="eval")
+  sc = SamplingConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.max_new_tokens, (tok.eos_id,))
+  res = evaluate(cfg, params, tok, problems, n_samples=FLAGS.k, ks=sorted({1, FLAGS.k}), sc=sc,
+                 slots=FLAGS.slots, seed=FLAGS.seed, template=FLAGS.template)
+  res["checkpoint"] = FLAGS.checkpoint
+  print(json.dumps({k: v for k, v in res.items() if k != "examples"}))
+  if FLAGS.out:
+    with open(FLAGS.out, "w") as f:
+      json.dump(res, f, indent=1)
+
+
+def main(argv):
+  del argv
+  if FLAGS.tokenizer is None:
+    raise app.UsageError("--tokenizer is required")
+  if FLAGS.mode == "eval":
+    if FLAGS.checkpoint is None:
+      raise app.UsageError("--mode=eval needs --checkpoint")
+    run_eval()
+  else:
+    run_worker()
+
+
+if __name__ == "__main__":
+  app.run(main)
