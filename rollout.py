@@ -376,8 +376,9 @@ def run_worker():
                              tests=tuple(it["tests"]) if it.get("tests") else None)
       comps = [toks[i, :n[i]] for i in range(len(g["slots"]))]
       rewards = pool.score([problem] * len(comps), [tok.decode(c.tolist()) for c in comps])
-      rollout = dict(id=gid, prompt_id=it["prompt_id"], version=int(g["version"]), worker=wid,
-                     prompt_tokens=np.asarray(it["prompt_tokens"], np.int32),
+      rollout = dict(id=gid, version=int(g["version"]), worker=wid,
+                     prompt_id=it["prompt_id"], prompt=it["prompt"], answer=it["answer"], task=it["task"],
+                     tests=it.get("tests"), prompt_tokens=np.asarray(it["prompt_tokens"], np.int32),
                      completions=[c.astype(np.int32) for c in comps],
                      logprobs=[lps[i, :n[i]].astype(np.float32) for i in range(len(comps))],
                      rewards=np.asarray(rewards, np.float32), gen_s=time.time() - g["t0"])
