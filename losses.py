@@ -1,0 +1,549 @@
+"""RL losses for LLM policies: token log-probs, advantages, policy losses, KL, entropy, aggregation, off-policy fixes.
+
+Pure functions of arrays plus one frozen `LossConfig`; no flags, no state. Shapes (legend as in model.py):
+B sequences, T tokens, V vocab, D model dim, P prompts, G samples per prompt (B = P * G).
+
+Design choices
+- Log-probs are fp32 (fp64 if the input is fp64) whatever the logits dtype, and of the distribution actually
+  sampled from: logits are divided by the sampling temperature before the log-softmax.
+- `token_logprobs_and_entropy` is a custom VJP: the forward saves only the [B,T] logsumexp and E_p[s], never a
+  [B,T,V] fp32 softmax; the backward recomputes p from the logits and writes dlogits straight in the logits dtype.
+  Under jit the upcast, exp and one-hot compare fuse into the reductions (see README for measured temp bytes).
+  `chunked_token_logprobs` goes further and never forms the full [B,T,V] logits (scan over T chunks + remat).
+- Every per-token quantity is masked with `jnp.where` first, so padding (any value, even inf/nan) has zero effect
+  and zero gradient.
+- Policy losses are written as per-token losses, then reduced by one `aggregate` (token-mean, seq-mean-token-mean,
+  seq-mean-token-sum); GSPO uses its token form (GSPO-token) so it reduces the same way.
+- Off-policy correction: `old_logp` are the worker's behaviour log-probs. Given `prox_logp` (the trainer's own
+  log-probs at the start of the step) the PPO ratio is pi_theta / pi_prox and truncated IS weights
+  min(pi_prox / mu, cap) correct for the behaviour mismatch (decoupled PPO). For one update per batch pass
+  `prox_logp=jax.lax.stop_gradient(logp)`.
+
+Public API
+  token_logprobs(logits [B,T,V], targets [B,T], temperature=1.0) -> [B,T]
+  token_logprobs_and_entropy(logits, targets, temperature=1.0) -> (logp [B,T], entropy [B,T])
+  chunked_token_logprobs(hidden [B,T,D], unembed [D,V] | fn [B,C,D]->[B,C,V], targets, chunk, temperature=1.0)
+      -> (logp [B,T], entropy [B,T])
+  compute_advantages(estimator, rewards [P,G], *, lengths=None, std_normalize=True, group_baseline=True, eps=1e-6)
+      -> [P,G];  estimator in ADVANTAGE_ESTIMATORS
+  config_advantages(cfg, rewards [P,G], lengths=None) -> [P,G]   (compute_advantages with cfg's options)
+  gae(rewards [B,T], values [B,T] | [B,T+1], mask [B,T], gamma=1.0, lam=1.0) -> (advantages [B,T], returns [B,T])
+  value_loss(values, returns, mask, agg="token_mean", *, old_values=None, clip=None, max_tokens=None) -> scalar
+  kl_penalty(logp, ref_logp, estimator) -> [B,T]
+  overlong_shaping(lengths, max_len, buffer) -> penalty (<= 0, same shape as lengths)
+  aggregate(x [B,T], mask [B,T], mode, max_tokens=None) -> scalar
+  LossConfig (frozen dataclass), ALGORITHMS: dict[str, LossConfig]
+  policy_loss(cfg, logp, old_logp, advantages [B] | [B,T], mask, *, ref_logp=None, prox_logp=None, entropy=None)
+      -> (loss scalar, metrics dict of jnp scalars)
+
+Run the tests:  python -m pytest -q tests/test_losses.py
+"""
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "reinforce")
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce")
+AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _compute_dtype(dtype):
+  # At least fp32: bf16 logits are upcast, fp64 (tests) stays fp64.
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Token log-probs and entropy.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _logp_entropy(logits, targets, temperature):
+  return _logp_entropy_fwd(logits, targets, temperature)[0]
+
+
+def _logp_entropy_fwd(logits, targets, temperature):
+  dt = _compute_dtype(logits.dtype)
+  s = logits.astype(dt) / temperature  # under jit this fuses into each reduction below (no [B,T,V] buffer)
+  m = jnp.max(s, axis=-1)
+  lse = m + jnp.log(jnp.sum(jnp.exp(s - m[..., None]), axis=-1))
+  # Gather from the raw logits, then upcast: [B,T] work instead of [B,T,V].
+  tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0].astype(dt) / temperature
+  p = jnp.exp(s - lse[..., None])
+  es = jnp.sum(jnp.where(p > 0, p * s, 0), axis=-1)  # E_p[s]; where() keeps -inf logits from giving 0 * -inf
+  return (tgt - lse, lse - es), (logits, targets, lse, es)
+
+
+def _logp_entropy_bwd(temperature, res, g):
+  logits, targets, lse, es = res
+  g_logp, g_ent = g
+  dt = _compute_dtype(logits.dtype)
+  s = logits.astype(dt) / temperature
+  p = jnp.exp(s - lse[..., None])  # recomputed, not saved: the point of the custom VJP
+  onehot = jnp.arange(logits.shape[-1]) == targets[..., None]
+  # d logp / ds = onehot - p ;  d H / ds = -p (s - E_p[s]).
+  ds = g_logp[..., None] * (onehot - p) - g_ent[..., None] * jnp.where(p > 0, p * (s - es[..., None]), 0)
+  return (ds / temperature).astype(logits.dtype), None
+
+
+_logp_entropy.defvjp(_logp_entropy_fwd, _logp_entropy_bwd)
+
+
+def _check_logits(logits, targets, temperature):
+  if logits.ndim < 2 or targets.shape != logits.shape[:-1]:
+    raise ValueError(f"token_logprobs: logits {logits.shape} must be [..., V] with targets {targets.shape} = [...]")
+  if not jnp.issubdtype(targets.dtype, jnp.integer):
+    raise ValueError(f"token_logprobs: targets must be integer token ids, got dtype {targets.dtype}")
+  if not isinstance(temperature, (int, float)) or not temperature > 0:
+    raise ValueError(f"token_logprobs: temperature must be a Python number > 0, got {temperature!r}")
+
+
+def token_logprobs_and_entropy(logits, targets, temperature=1.0):
+  """log pi(target) and entropy H(pi) per position, pi = softmax(logits / temperature), in fp32.
+
+  logp_t = s_t[y_t] - logsumexp(s_t),  H_t = logsumexp(s_t) - sum_v p_tv s_tv,  s = logits / temperature.
+  Memory: residuals are the logits (already alive) plus two [B,T] fp32 arrays; the backward forms dlogits
+  [B,T,V] in logits.dtype in one fused pass. Gradients flow to logits through both outputs.
+  """
+  _check_logits(logits, targets, temperature)
+  return _logp_entropy(logits, targets, float(temperature))
+
+
+def token_logprobs(logits, targets, temperature=1.0):
+  """log softmax(logits / temperature)[targets], fp32, [B,T]. See token_logprobs_and_entropy."""
+  return token_logprobs_and_entropy(logits, targets, temperature)[0]
+
+
+def chunked_token_logprobs(hidden, unembed, targets, chunk, temperature=1.0):
+  """(logp, entropy) [B,T] from final hidden states without ever forming the full [B,T,V] logits.
+
+  unembed: a [D,V] matrix or a function [B,C,D] -> [B,C,V] (e.g. final norm + tied embedding). The T axis is
+  padded to a multiple of `chunk` and scanned; each chunk is rematerialised in the backward (jax.checkpoint), so
+  peak logits memory is [B,chunk,V] instead of [B,T,V].
+  """
+  B, T, D = hidden.shape
+  if targets.shape != (B, T):
+    raise ValueError(f"chunked_token_logprobs: targets {targets.shape} must be [B,T] = {(B, T)}")
+  if not isinstance(chunk, int) or chunk <= 0:
+    raise ValueError(f"chunked_token_logprobs: chunk must be a positive int, got {chunk!r}")
+  if callable(unembed):
+    project = unembed
+  else:
+    project = lambda h: jnp.einsum("bcd,dv->bcv", h, unembed)
+  pad = (-T) % chunk
+  n = (T + pad) // chunk
+  h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, D).swapaxes(0, 1)  # [n,B,C,D]
+  tg = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)  # [n,B,C]
+
+  @jax.checkpoint  # keep only the chunk inputs; recompute the [B,C,V] logits in the backward
+  def one(hc, tc):
+    return token_logprobs_and_entropy(project(hc), tc, temperature)
+
+  lp, ent = jax.lax.map(lambda xs: one(*xs), (h, tg))
+  unchunk = lambda x: x.swapaxes(0, 1).reshape(B, T + pad)[:, :T]
+  return unchunk(lp), unchunk(ent)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Advantage estimators (outcome rewards, one scalar per sample).
+
+
+def compute_advantages(estimator, rewards, *, lengths=None, std_normalize=True, group_baseline=True, eps=1e-6):
+  """Per-sample advantages [P,G] from outcome rewards [P,G] (row p holds the G samples of prompt p).
+
+  grpo          A = (r - mean_g r) / (std_g r + eps); std is the sample std (ddof=1, as torch.std in TRL/verl);
+                std_normalize=False drops the division. Shao et al. 2024, DeepSeekMath, arXiv 2402.03300.
+  dr_grpo       A = r - mean_g r (no std; the length normaliser is removed by agg="seq_mean_token_sum").
+                Liu et al. 2025, "Understanding R1-Zero-Like Training" (Dr. GRPO), arXiv 2503.20783.
+  rloo          A_i = r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean_g r). Kool et al. 2019 "Buy 4 REINFORCE
+                samples, get a baseline for free!"; Ahmadian et al. 2024 "Back to Basics", arXiv 2402.14740.
+  reinforce_pp  global batch normalisation: A~ = r - mean_g r if group_baseline (REINFORCE++-baseline) else r;
+                A = (A~ - mean_batch A~) / (std_batch A~ + eps) over all P*G samples, token-weighted by `lengths`
+                when given (the paper whitens over all tokens). Hu 2025, REINFORCE++, arXiv 2501.03262.
+  reinforce     A = r (no baseline). Williams 1992.
+  PPO with a value head uses `gae` instead (token-level, needs values).
+  """
+  if estimator not in ADVANTAGE_ESTIMATORS:
+    hint = " (PPO with a value head: use losses.gae)" if estimator == "gae" else ""
+    raise ValueError(f"compute_advantages: estimator {estimator!r} not in {ADVANTAGE_ESTIMATORS}{hint}")
+  r = jnp.asarray(rewards)
+  if r.ndim != 2:
+    raise ValueError(f"compute_advantages: rewards must be [P,G] (prompts x samples), got shape {r.shape}")
+  r = r.astype(_compute_dtype(r.dtype))
+  G = r.shape[1]
+  if estimator in ("grpo", "dr_grpo", "rloo") and G < 2:
+    raise ValueError(f"compute_advantages: {estimator} needs G >= 2 samples per prompt, got rewards {r.shape}")
+  mean = jnp.mean(r, axis=1, keepdims=True)
+  if estimator == "reinforce":
+    return r
+  if estimator == "dr_grpo" or (estimator == "grpo" and not std_normalize):
+    return r - mean
+  if estimator == "grpo":
+    return (r - mean) / (jnp.std(r, axis=1, ddof=1, keepdims=True) + eps)
+  if estimator == "rloo":
+    return (r - mean) * (G / (G - 1))
+  # reinforce_pp
+  a = r - mean if group_baseline else r
+  w = jnp.ones_like(a) if lengths is None else jnp.asarray(lengths, a.dtype).reshape(a.shape)
+  wsum = jnp.maximum(jnp.sum(w), 1e-12)
+  mu = jnp.sum(w * a) / wsum
+  std = jnp.sqrt(jnp.sum(w * (a - mu) ** 2) / wsum)
+  return (a - mu) / (std + eps)
+
+
+def gae(rewards, values, mask, gamma=1.0, lam=1.0):
+  """Generalised advantage estimation over tokens. Schulman et al. 2016, arXiv 1506.02438.
+
+  delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1},  returns_t = A_t + V_t,
+  where "t+1" is the next *valid* token: masked positions are skipped (they carry V and A through unchanged, as in
+  verl), so both right padding and masked spans inside a sequence work. values [B,T+1] gives a bootstrap value
+  V_T for sequences cut off at T; values [B,T] means the episode ends after the last token (V = 0 beyond).
+  Outputs are zero at masked positions.
+  """
+  B, T = rewards.shape
+  if mask.shape != (B, T) or values.shape not in ((B, T), (B, T + 1)):
+    raise ValueError(f"gae: rewards {rewards.shape}, mask {mask.shape} must be [B,T]; values {values.shape} "
+                     f"must be [B,T] or [B,T+1]")
+  dt = _compute_dtype(rewards.dtype)
+  m = mask.astype(bool)
+  r = jnp.where(m, rewards, 0).astype(dt)
+  v = values.astype(dt)
+  v_last = v[:, T] if v.shape[1] == T + 1 else jnp.zeros((B,), dt)
+  v = v[:, :T]
+
+  def step(carry, xs):
+    next_v, next_a = carry
+    r_t, v_t, m_t = xs
+    a_t = r_t + gamma * next_v - v_t + gamma * lam * next_a
+    # A masked token is transparent: the recursion skips it.
+    return (jnp.where(m_t, v_t, next_v), jnp.where(m_t, a_t, next_a)), jnp.where(m_t, a_t, 0)
+
+  _, adv = jax.lax.scan(step, (v_last, jnp.zeros((B,), dt)), (r.T, v.T, m.T), reverse=True)
+  adv = adv.T
+  return adv, jnp.where(m, adv + v, 0)
+
+
+def value_loss(values, returns, mask, agg="token_mean", *, old_values=None, clip=None, max_tokens=None):
+  """PPO value loss 0.5 max((V - R)^2, (V_clip - R)^2), V_clip = old + clip(V - old, -clip, clip).
+
+  Schulman et al. 2017 (PPO, arXiv 1707.06347) as implemented in OpenAI baselines; clip=None gives plain 0.5 (V-R)^2.
+  """
+  err = (values - jax.lax.stop_gradient(returns)) ** 2
+  if clip is not None:
+    if old_values is None:
+      raise ValueError("value_loss: clip needs old_values")
+    v_clip = old_values + jnp.clip(values - old_values, -clip, clip)
+    err = jnp.maximum(err, (v_clip - jax.lax.stop_gradient(returns)) ** 2)
+  return aggregate(0.5 * err, mask, agg, max_tokens)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KL, entropy, reward shaping, aggregation.
+
+
+def kl_penalty(logp, ref_logp, estimator):
+  """Per-token estimate of KL(pi || pi_ref) from samples of pi. Schulman 2020, "Approximating KL Divergence"
+  (http://joschu.net/blog/kl-approx.html). With d = ref_logp - logp = log(pi_ref / pi):
+    k1 = -d (unbiased, high variance),  k2 = d^2 / 2 (low variance, biased),  k3 = e^d - 1 - d (unbiased, >= 0;
+    the GRPO loss term). k3 clamps d to [-20, 20] before exp so one bad token cannot overflow fp32.
+  """
+  d = ref_logp - logp
+  if estimator == "k1":
+    return -d
+  if estimator == "k2":
+    return 0.5 * d * d
+  if estimator == "k3":
+    d = jnp.clip(d, -20.0, 20.0)
+    return jnp.exp(d) - 1.0 - d
+  raise ValueError(f"kl_penalty: estimator {estimator!r} not in {KL_ESTIMATORS}")
+
+
+def overlong_shaping(lengths, max_len, buffer):
+  """DAPO soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), a reward *added* to the verifier's:
+    0                                   if L <= max_len - buffer
+    ((max_len - buffer) - L) / buffer   if max_len - buffer < L <= max_len   (linear from 0 down to -1)
+    -1                                  if L > max_len
+  DAPO uses max_len = 20480 (the generation budget) with buffer = 4096.
+  """
+  if not (isinstance(max_len, int) and isinstance(buffer, int) and 0 < buffer <= max_len):
+    raise ValueError(f"overlong_shaping: need ints 0 < buffer <= max_len, got buffer={buffer!r} max_len={max_len!r}")
+  L = jnp.asarray(lengths, jnp.float32)
+  expected = max_len - buffer
+  pen = jnp.where(L <= expected, 0.0, (expected - L) / buffer)
+  return jnp.where(L > max_len, -1.0, pen)
+
+
+def aggregate(x, mask, mode, max_tokens=None):
+  """Reduce a per-token loss x [B,T] over valid tokens (mask [B,T]) to a scalar.
+
+  token_mean           sum_bt m x / sum_bt m                  (DAPO, arXiv 2503.14476: every token weighs the same)
+  seq_mean_token_mean  mean_b (sum_t m x / sum_t m)           (GRPO, arXiv 2402.03300: every sequence weighs the same)
+  seq_mean_token_sum   mean_b (sum_t m x) / max_tokens        (Dr. GRPO, arXiv 2503.20783: a constant normaliser,
+                                                               no length bias); max_tokens=None uses T
+  Sequences with no valid token are left out of mean_b, so padding rows change nothing; no valid token -> 0.
+  """
+  if x.shape != mask.shape or x.ndim != 2:
+    raise ValueError(f"aggregate: x {x.shape} and mask {mask.shape} must both be [B,T]")
+  m = mask.astype(bool)
+  xm = jnp.where(m, x, 0)  # where, not x * m: padding that is inf/nan must not leak
+  n_tok = jnp.sum(m, axis=-1)  # [B]
+  n_seq = jnp.maximum(jnp.sum(n_tok > 0), 1)
+  if mode == "token_mean":
+    return jnp.sum(xm) / jnp.maximum(jnp.sum(n_tok), 1)
+  if mode == "seq_mean_token_mean":
+    return jnp.sum(jnp.sum(xm, axis=-1) / jnp.maximum(n_tok, 1)) / n_seq
+  if mode == "seq_mean_token_sum":
+    denom = x.shape[1] if max_tokens is None else max_tokens
+    return jnp.sum(xm) / (n_seq * denom)
+  raise ValueError(f"aggregate: mode {mode!r} not in {AGG_MODES}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configuration and presets.
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """Everything policy_loss / config_advantages need. Validated on construction (and on dataclasses.replace).
+
+  policy_loss      "ppo" | "gspo" | "cispo" | "reinforce"  (see policy_loss)
+  advantage        an ADVANTAGE_ESTIMATORS name, or "gae" (PPO with a value head; call losses.gae)
+  agg              an AGG_MODES name; max_tokens is the seq_mean_token_sum constant (None = padded length T)
+  eps_low/high     PPO / GSPO ratio clip range [1 - eps_low, 1 + eps_high] (eps_high > eps_low = DAPO clip-higher)
+  dual_clip_c      dual-clip bound (> 1) for negative advantages, None = off
+  cispo_eps_low/high  CISPO IS-weight clip [1 - low, 1 + high]; low=None means no lower bound (as in MiniMax-M1)
+  adv_std_normalize, adv_group_baseline, adv_eps   options of compute_advantages
+  kl_coef, kl_estimator ("k1"|"k2"|"k3"), kl_mode ("loss": + kl_coef * agg(kl); "reward": subtract
+                   kl_coef * KL-to-go from the advantages)
+  entropy_coef     loss -= entropy_coef * agg(entropy)
+  tis_cap          truncated IS cap on pi_prox / mu (None = off); tis_level "token" | "sequence"
+  mask_ratio_cap   drop tokens whose trainer/behaviour ratio is outside [1/cap, cap] (None = off)
+  overlong_buffer_frac  DAPO overlong shaping buffer as a fraction of the generation budget (None = off); the
+                   trainer adds overlong_shaping(lengths, max_new, round(frac * max_new)) to the rewards.
+  """
+  policy_loss: str = "ppo"
+  advantage: str = "grpo"
+  agg: str = "token_mean"
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  dual_clip_c: float | None = None
+  cispo_eps_low: float | None = None
+  cispo_eps_high: float = 0.28
+  adv_std_normalize: bool = True
+  adv_group_baseline: bool = True
+  adv_eps: float = 1e-6
+  kl_coef: float = 0.0
+  kl_estimator: str = "k3"
+  kl_mode: str = "loss"
+  entropy_coef: float = 0.0
+  tis_cap: float | None = None
+  tis_level: str = "token"
+  mask_ratio_cap: float | None = None
+  max_tokens: int | None = None
+  overlong_buffer_frac: float | None = None
+
+  def __post_init__(self):
+    def bad(field, allowed):
+      raise ValueError(f"LossConfig.{field} = {getattr(self, field)!r}, expected {allowed}")
+    choices = dict(policy_loss=POLICY_LOSSES, advantage=ADVANTAGE_ESTIMATORS + ("gae",), agg=AGG_MODES,
+                   kl_estimator=KL_ESTIMATORS, kl_mode=("loss", "reward"), tis_level=("token", "sequence"))
+    for field, allowed in choices.items():
+      if getattr(self, field) not in allowed:
+        bad(field, f"one of {allowed}")
+    for field in ("eps_low", "eps_high", "cispo_eps_high"):
+      if not 0 <= getattr(self, field):
+        bad(field, "a number >= 0")
+    if not self.eps_low < 1:
+      bad("eps_low", "< 1 (the lower clip bound 1 - eps_low must stay positive)")
+    if self.cispo_eps_low is not None and not 0 <= self.cispo_eps_low <= 1:
+      bad("cispo_eps_low", "None or in [0, 1]")
+    if self.dual_clip_c is not None and not self.dual_clip_c > 1:
+      bad("dual_clip_c", "None or > 1")
+    for field in ("tis_cap", "mask_ratio_cap"):
+      if getattr(self, field) is not None and not getattr(self, field) > (0 if field == "tis_cap" else 1):
+        bad(field, "None or > 0" if field == "tis_cap" else "None or > 1")
+    if self.max_tokens is not None and not (isinstance(self.max_tokens, int) and self.max_tokens > 0):
+      bad("max_tokens", "None or a positive int")
+    if self.overlong_buffer_frac is not None and not 0 < self.overlong_buffer_frac <= 1:
+      bad("overlong_buffer_frac", "None or in (0, 1]")
+    for field in ("kl_coef", "entropy_coef", "adv_eps"):
+      if not 0 <= getattr(self, field):
+        bad(field, "a number >= 0")
+
+
+# Each entry is the combination its paper describes (KL coefficients are the papers' where they use one; set
+# kl_coef=0 to train without a reference model).
+ALGORITHMS = {
+    # PPO-clip (Schulman et al. 2017, arXiv 1707.06347) for LMs with a value head and GAE, per-token k1 KL in the
+    # reward with beta = 0.02 (InstructGPT, Ouyang et al. 2022, arXiv 2203.02155).
+    "ppo": LossConfig(policy_loss="ppo", advantage="gae", agg="token_mean", eps_low=0.2, eps_high=0.2,
+                      kl_coef=0.02, kl_estimator="k1", kl_mode="reward"),
+    # GRPO (Shao et al. 2024, arXiv 2402.03300): group mean/std advantages, per-sequence token mean, k3 KL in the
+    # loss with beta = 0.04.
+    "grpo": LossConfig(policy_loss="ppo", advantage="grpo", agg="seq_mean_token_mean", eps_low=0.2, eps_high=0.2,
+                       kl_coef=0.04, kl_estimator="k3", kl_mode="loss"),
+    # Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): no std, no per-length normaliser (constant max_tokens), no KL.
+    "dr_grpo": LossConfig(policy_loss="ppo", advantage="dr_grpo", agg="seq_mean_token_sum", eps_low=0.2,
+                          eps_high=0.2),
+    # DAPO (Yu et al. 2025, arXiv 2503.14476): clip-higher (0.2 / 0.28), token-level mean, no KL, overlong
+    # shaping with a 4096/20480 = 0.2 buffer. (Dynamic sampling is batch curation: data.py.)
+    "dapo": LossConfig(policy_loss="ppo", advantage="grpo", agg="token_mean", eps_low=0.2, eps_high=0.28,
+                       overlong_buffer_frac=0.2),
+    # GSPO (Zheng et al. 2025, arXiv 2507.18071): sequence-level length-normalised ratio, clip 3e-4 / 4e-4,
+    # group-normalised advantages, per-sequence mean, no KL.
+    "gspo": LossConfig(policy_loss="gspo", advantage="grpo", agg="seq_mean_token_mean", eps_low=3e-4,
+                       eps_high=4e-4),
+    # CISPO (MiniMax-M1, arXiv 2506.13585): clipped stop-gradient IS weight on log pi, token-level mean, group-
+    # normalised advantages, no lower IS bound. eps_high^IS is tuned in the paper; 0.28 here is our choice.
+    "cispo": LossConfig(policy_loss="cispo", advantage="grpo", agg="token_mean", cispo_eps_low=None,
+                        cispo_eps_high=0.28),
+    # RLOO (Ahmadian et al. 2024, arXiv 2402.14740): leave-one-out baseline, REINFORCE on the whole sequence's
+    # log-prob (token sum; constant normaliser only rescales the learning rate), no clipping.
+    "rloo": LossConfig(policy_loss="reinforce", advantage="rloo", agg="seq_mean_token_sum"),
+    # REINFORCE++-baseline (Hu 2025, arXiv 2501.03262): group-mean baseline, then global batch normalisation,
+    # PPO-clip loss, token mean; the paper's k2 KL-as-loss variant (coefficient 0 here: no reference by default).
+    "reinforce_pp": LossConfig(policy_loss="ppo", advantage="reinforce_pp", agg="token_mean", eps_low=0.2,
+                               eps_high=0.2, adv_group_baseline=True, kl_estimator="k2", kl_mode="loss"),
+}
+
+
+def config_advantages(cfg, rewards, lengths=None):
+  """compute_advantages(cfg.advantage, rewards, ...) with cfg's advantage options."""
+  return compute_advantages(cfg.advantage, rewards, lengths=lengths, std_normalize=cfg.adv_std_normalize,
+                            group_baseline=cfg.adv_group_baseline, eps=cfg.adv_eps)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Policy loss.
+
+
+def policy_loss(cfg, logp, old_logp, advantages, mask, *, ref_logp=None, prox_logp=None, entropy=None):
+  """Scalar loss to minimise and a dict of jnp-scalar metrics. All [B,T] inputs; advantages [B] or [B,T].
+
+  logp       trainer log-probs of the sampled tokens (differentiated).
+  old_logp   behaviour log-probs mu from the worker that sampled the tokens.
+  prox_logp  optional proximal policy (trainer log-probs at the start of the step, no gradient). Decoupled PPO
+             (Hilton et al. 2021, arXiv 2110.00641): the ratio is r = pi_theta / pi_prox and the behaviour
+             mismatch pi_prox / mu is handled by truncated IS. Without it r = pi_theta / mu.
+  Per-token losses (w = IS weight, 1 unless tis_cap; A = advantage):
+    ppo        -w min(r A, clip(r, 1-eps_low, 1+eps_high) A); with dual_clip_c = c and A < 0 the objective is
+               max(that, c A) (Ye et al. 2020, arXiv 1912.09729). eps_high > eps_low is DAPO clip-higher.
+    gspo       same clip on s_bt = sg(s_b) * pi_theta_t / sg(pi_theta_t) with s_b = exp(mean_t log r_bt), the
+               GSPO-token form (Zheng et al. 2025, arXiv 2507.18071): numerically s_b for every token, gradient
+               s_b A grad log pi_t, so with agg="seq_mean_token_mean" it is exactly GSPO.
+    cispo      -w sg(clip(r, 1-cispo_eps_low, 1+cispo_eps_high)) A log pi_theta (MiniMax-M1, arXiv 2506.13585):
+               every token keeps a gradient, the IS weight is clipped.
+    reinforce  -w A log pi_theta (Williams 1992; RLOO uses it on-policy).
+  Truncated IS (Espeholt et al. 2018, arXiv 1802.01561; Yao et al. 2025, "Your Efficient RL Framework Secretly
+  Brings You Off-Policy RL Training"): token w_bt = min(pi_prox/mu, cap); sequence w_b = min(prod_t pi_prox/mu, cap)
+  (computed in log space). Needs prox_logp; for one update per batch pass prox_logp=jax.lax.stop_gradient(logp).
+  mask_ratio_cap = C drops tokens whose rho = pi_trainer / mu (pi_trainer = prox, or sg(logp)) is outside [1/C, C]
+  from every term (masked importance sampling, as in IcePop / MIS, 2025).
+  KL (needs ref_logp when kl_coef > 0): mode "loss" adds kl_coef * agg(kl_t); mode "reward" subtracts
+  kl_coef * sum_{s>=t} kl_s (gamma = 1, from the fixed pi_prox or mu, no gradient) from A_t, after the advantage
+  estimator (so REINFORCE++ whitening does not see it).
+  Entropy bonus: loss -= entropy_coef * agg(entropy) (entropy from token_logprobs_and_entropy, differentiated).
+  """
+  B, T = logp.shape
+  for name, x in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp), ("prox_logp", prox_logp),
+                  ("entropy", entropy)):
+    if x is not None and x.shape != (B, T):
+      raise ValueError(f"policy_loss: {name} shape {x.shape} != logp shape {(B, T)}")
+  if advantages.shape not in ((B,), (B, T)):
+    raise ValueError(f"policy_loss: advantages shape {advantages.shape} must be [B]={(B,)} or [B,T]={(B, T)}")
+  if cfg.kl_coef > 0 and ref_logp is None:
+    raise ValueError(f"policy_loss: kl_coef={cfg.kl_coef} needs ref_logp (or set kl_coef=0)")
+  if cfg.entropy_coef > 0 and entropy is None:
+    raise ValueError(f"policy_loss: entropy_coef={cfg.entropy_coef} needs entropy (token_logprobs_and_entropy)")
+  if cfg.tis_cap is not None and prox_logp is None:
+    raise ValueError(f"policy_loss: tis_cap={cfg.tis_cap} needs prox_logp (the trainer's log-probs before the "
+                     f"update; for one update per batch pass prox_logp=jax.lax.stop_gradient(logp))")
+
+  sg = jax.lax.stop_gradient
+  dt = _compute_dtype(logp.dtype)
+  valid = mask.astype(bool)
+  # Zero padding first (where, not *): inf/nan there then cannot reach the loss or the gradient.
+  clean = lambda x: None if x is None else jnp.where(valid, x, 0).astype(dt)
+  logp, old_logp, ref_logp, prox_logp, entropy = map(clean, (logp, old_logp, ref_logp, prox_logp, entropy))
+  adv = jnp.broadcast_to(advantages[:, None], (B, T)) if advantages.ndim == 1 else advantages
+  adv = jnp.where(valid, sg(adv), 0).astype(dt)
+  base = prox_logp if prox_logp is not None else old_logp
+  trainer = sg(prox_logp if prox_logp is not None else logp)
+
+  # Off-policy correction between the trainer's and the worker's log-probs.
+  behav_lr = trainer - old_logp  # log(pi_trainer / mu)
+  keep = valid
+  if cfg.mask_ratio_cap is not None:
+    keep = valid & (jnp.abs(behav_lr) <= math.log(cfg.mask_ratio_cap))
+  w = jnp.ones((B, T), dt)
+  if cfg.tis_cap is not None:
+    log_cap = math.log(cfg.tis_cap)
+    if cfg.tis_level == "token":
+      w = jnp.exp(jnp.minimum(behav_lr, log_cap))
+    else:
+      w = jnp.broadcast_to(jnp.exp(jnp.minimum(jnp.sum(jnp.where(keep, behav_lr, 0), -1), log_cap))[:, None],
+                           (B, T))
+
+  kl = None
+  if ref_logp is not None:
+    kl = jnp.where(valid, kl_penalty(logp, ref_logp, cfg.kl_estimator), 0)
+    if cfg.kl_mode == "reward" and cfg.kl_coef > 0:
+      kl_fixed = jnp.where(keep, kl_penalty(base, ref_logp, cfg.kl_estimator), 0)
+      kl_to_go = jnp.flip(jnp.cumsum(jnp.flip(kl_fixed, -1), -1), -1)
+      adv = jnp.where(valid, adv - cfg.kl_coef * kl_to_go, 0)
+
+  # Importance ratio (token or GSPO sequence level).
+  log_r = logp - base
+  if cfg.policy_loss == "gspo":
+    n_tok = jnp.maximum(jnp.sum(keep, -1), 1)
+    log_s = jnp.sum(jnp.where(keep, log_r, 0), -1) / n_tok  # [B] length-normalised sequence log-ratio
+    log_r = sg(log_s)[:, None] + logp - sg(logp)
+  ratio = jnp.exp(log_r)
+
+  lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
+  zero = jnp.zeros((B, T), bool)
+  clip_low, clip_high, dual = zero, zero, zero
+  if cfg.policy_loss in ("ppo", "gspo"):
+    obj = jnp.minimum(ratio * adv, jnp.clip(ratio, lo, hi) * adv)
+    clip_low, clip_high = (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0)  # where the gradient is cut
+    if cfg.dual_clip_c is not None:
+      dual = (adv < 0) & (ratio > cfg.dual_clip_c)
+      obj = jnp.where(adv < 0, jnp.maximum(obj, cfg.dual_clip_c * adv), obj)
+    per_tok = -w * obj
+  elif cfg.policy_loss == "cispo":
+    c_lo = 0.0 if cfg.cispo_eps_low is None else 1 - cfg.cispo_eps_low
+    c_hi = 1 + cfg.cispo_eps_high
+    clip_low, clip_high = ratio < c_lo, ratio > c_hi  # where the IS weight is clipped
+    per_tok = -w * sg(jnp.clip(ratio, c_lo, c_hi)) * adv * logp
+  else:  # reinforce
+    per_tok = -w * adv * logp
+
+  agg = lambda x: aggregate(x, keep, cfg.agg, cfg.max_tokens)
+  pg_loss = agg(per_tok)
+  kl_loss = cfg.kl_coef * agg(kl) if (kl is not None and cfg.kl_mode == "loss" and cfg.kl_coef > 0) else 0.0
+  ent_loss = -cfg.entropy_coef * agg(entropy) if cfg.entropy_coef > 0 else 0.0
+  loss = pg_loss + kl_loss + ent_loss
+
+  # Metrics over valid tokens (jnp scalars, safe inside jit).
+  n = jnp.maximum(jnp.sum(valid), 1)
+  frac = lambda b: jnp.sum(b & valid) / n
+  vmean = lambda x: jnp.sum(jnp.where(valid, x, 0)) / n
+  any_valid = jnp.any(valid)
+  vmax = lambda x: jnp.where(any_valid, jnp.max(jnp.where(valid, x, -jnp.inf)), 0.0)
+  vmin = lambda x: jnp.where(any_valid, jnp.min(jnp.where(valid, x, jnp.inf)), 0.0)
+  metrics = dict(
+      loss=loss, pg_loss=pg_loss, kl_loss=jnp.asarray(kl_loss, dt), entropy_loss=jnp.asarray(ent_loss, dt),
+      clip_frac_low=frac(clip_low), clip_frac_high=frac(clip_high), clip_frac=frac(clip_low | clip_high),
+      dual_clip_frac=frac(dual),
+      ratio_mean=vmean(sg(ratio)), ratio_min=vmin(sg(ratio)), ratio_max=vmax(sg(ratio)),
+      is_weight_mean=vmean(w), is_weight_max=vmax(w),
+      masked_frac=frac(~keep),
+      behav_ratio_mean=vmean(jnp.exp(behav_lr)), behav_abs_logratio_max=vmax(jnp.abs(behav_lr)),
+      kl=vmean(sg(kl)) if kl is not None else jnp.zeros((), dt),
+      entropy=vmean(sg(entropy)) if entropy is not None else jnp.zeros((), dt),
+      adv_mean=vmean(adv), n_tokens=jnp.sum(keep).astype(dt),
+  )
+  return loss, metrics
