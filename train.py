@@ -74,7 +74,7 @@ flags.DEFINE_float("rollout_lease_s", 600.0, "Rollout lease on the server, secon
 flags.DEFINE_string("attn_impl", "auto", "Attention path: auto, ref or pallas. Default auto.")
 flags.DEFINE_string("mesh", "1,1,-1", "data,fsdp,tensor mesh shape; one -1 takes the remaining devices. Default 1,1,-1.")
 # Multi-process.
-flags.DEFINE_integer("num_processes", 1, "JAX processes in the trainer. Default 1.")
+flags.DEFINE_integer("num_processes", 1, "JAX processes in the trainer (0 = auto-detect on a TPU slice). Default 1.")
 flags.DEFINE_integer("process_id", 0, "This process's index. Default 0.")
 flags.DEFINE_string("coordinator", "127.0.0.1:12355", "jax.distributed coordinator host:port. Default 127.0.0.1:12355.")
 # SFT warm-start (the demo's base policy).
@@ -291,7 +291,9 @@ def rl_batch(groups, adv_estimator, pad_id, buckets, std_normalize=True):
 
 
 def setup_mesh():
-  if FLAGS.num_processes > 1:
+  if FLAGS.num_processes == 0:  # TPU pod: the slice tells each host its process id and the coordinator
+    jax.distributed.initialize()
+  elif FLAGS.num_processes > 1:
     if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu":
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=FLAGS.coordinator, num_processes=FLAGS.num_processes,
