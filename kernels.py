@@ -1,6 +1,7 @@
-"""Attention kernels: pure-jnp references (this file's contract) and, on TPU, Pallas kernels.
+"""Attention kernels: pure-jnp references (this file's contract) and Pallas TPU kernels.
 
-Shapes (legend as in model.py): B batch, T query len, S key len, N q heads, K kv heads, H head dim.
+Shapes (legend as in model.py): B batch, T query len, S key len, N q heads, K kv heads, G = N // K q heads per
+kv head, H head dim.
 
   attention(q [B,T,N,H], k [B,S,K,H], v [B,S,K,H], segment_ids [B,T] | None, causal=True, impl="auto")
       -> [B,T,N,H] in q.dtype.  Softmax in fp32. GQA: q head n uses kv head n // (N // K).
@@ -9,15 +10,57 @@ Shapes (legend as in model.py): B batch, T query len, S key len, N q heads, K kv
       padding still only attends to padding, so rows never are all -inf).
   decode_attention(q [B,N,H], k_cache [B,S,K,H], v_cache [B,S,K,H], lengths [B] int32, impl="auto") -> [B,N,H]
       One query per sequence against cache entries [0, lengths[b]) (the new token's k/v already written).
+      lengths are clipped to [0, S]; callers pass lengths >= 1 (a length-0 row is all padding: the reference
+      averages the whole row, the kernel returns zeros; neither is meaningful).
 
 impl: "ref" (jnp), "pallas" (TPU kernel; on CPU only under force_tpu_interpret_mode), "auto" (pallas on TPU,
-ref elsewhere).
+ref elsewhere). Both public functions also take `mesh=None` and block sizes; see "Sharding" below.
+
+Design
+  * flash_attention: one custom_vjp over three Pallas kernels (forward; dK/dV; dQ), FlashAttention-2 style
+    online softmax with fp32 running max / sum / accumulator in VMEM scratch and the log-sum-exp saved for the
+    backward pass. Inputs may be bf16: matmuls take the input dtype and accumulate in fp32 (as the reference).
+  * GQA without repeating K/V: q is laid out [B,K,G,T,H] and one grid step loads the G query heads that share a
+    kv head as a [G*block_q, H] tile against one [block_k, H] K/V tile, so each K/V tile is read once per group
+    and dK/dV sum over the group inside the kernel.
+  * Causal: blocks entirely above the diagonal skip compute, and their K/V (or Q) index map is clamped to the
+    last useful block so the pipeline does not DMA them either.
+  * Shapes that are not multiples of the block: the wrapper pads T and S (zeros) and masks padded keys
+    (causality already hides them; otherwise via a synthetic segment id), then slices the result.
+  * decode_attention: grid (B, S / block_s) with the lengths scalar-prefetched into SMEM. The K/V index map
+    clamps the block index to the last valid block of each row, so blocks past lengths[b] are never fetched
+    (re-using a block index skips the DMA) and their compute is skipped: HBM traffic is proportional to
+    sum(lengths), not B*S (ragged batch). The cache stays in model.py's [B,S,K,H] layout (viewed as [B,S,K*H],
+    a free reshape) so each DMA is one contiguous run of rows; the kernel loops over the K heads in VMEM.
+    A partial last block (S % block_s != 0) is handled by masking, not by padding (which would copy the cache).
+  * Sharding: on a mesh with axes ("data", "fsdp", "tensor"), batch is split over ("data", "fsdp") and heads
+    over "tensor"; attention is independent per (batch row, kv head), so each shard runs the kernel on its
+    local block via jax.shard_map with no communication. The mesh is `mesh=` if given, else the context mesh
+    (jax.set_mesh); with neither the kernel sees whole arrays (single device).
+
+Run
+  python kernels.py                      # micro-benchmark on the current backend (see README)
+  python -m pytest -q tests/test_kernels.py   # interpret-mode tests on CPU (8 fake devices via conftest)
 """
+import functools
+import sys
+import time
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
 
 NEG_INF = -1e30  # finite: a fully-masked row gives a uniform softmax instead of NaN
+PAD_SEGMENT = jnp.iinfo(jnp.int32).min  # segment id of padded keys/queries: matches no real id
+BATCH_AXES = ("data", "fsdp")  # mesh axes the batch dim is split over
+HEAD_AXIS = "tensor"  # mesh axis the head dims are split over
 
+
+# ----------------------------------------------------------------------------------------------------------
+# References (pure jnp). These define the semantics; the kernels are tested against them.
 
 def attention_reference(q, k, v, segment_ids=None, *, causal=True, sm_scale=None):
   B, T, N, H = q.shape
@@ -51,19 +94,445 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale=None):
   return o.reshape(B, N, H).astype(q.dtype)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Flash attention kernels. Internal layout: q/o/do [B,K,G,T,H], k/v [B,K,S,H], lse/di [B,K,G,T,1],
+# q segment ids [B,T,1] (a column, broadcasts along keys), kv segment ids [B,1,S] (a row).
+
+def _round_up(x, m):
+  return (x + m - 1) // m * m
+
+
+def _dot_t(a, b):
+  """a [M,C] . b [N,C]^T -> [M,N] in fp32, without materialising the transpose."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b):
+  """a [C,M]^T . b [C,N] -> [M,N] in fp32 (the dK/dV contractions over query rows)."""
+  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _block_mask(qi, kj, bq, bk, causal, qseg_ref, kvseg_ref):
+  """[bq,bk] bool mask of query block qi against key block kj, or None when nothing is masked."""
+  mask = None
+  if causal:
+    row = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    col = kj * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    mask = row >= col
+  if qseg_ref is not None:
+    same = qseg_ref[...] == kvseg_ref[...]  # [bq,1] == [1,bk]
+    mask = same if mask is None else mask & same
+  return mask
+
+
+def _block_visible(qi, kj, bq, bk, causal):
+  """Whether query block qi sees any key of block kj (False only above the causal diagonal)."""
+  return (kj * bk <= qi * bq + bq - 1) if causal else True
+
+
+def _run_if(cond, fn):
+  if cond is True:
+    fn()
+  else:
+    pl.when(cond)(fn)
+
+
+def _split_refs(refs, has_seg):
+  return (refs[:2], refs[2:]) if has_seg else ((None, None), refs)
+
+
+def _fwd_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
+  (qseg_ref, kvseg_ref), (q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr) = _split_refs(refs, has_seg)
+  qi, kj = pl.program_id(2), pl.program_id(3)
+  G, _, H = q_ref.shape
+
+  @pl.when(kj == 0)
+  def _init():
+    m_scr[...] = jnp.full(m_scr.shape, NEG_INF, jnp.float32)
+    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+  def _compute():
+    # The G heads of the group become G*bq matmul rows against one K tile.
+    s = _dot_t(q_ref[...].reshape(G * bq, H), k_ref[...]).reshape(G, bq, bk) * sm_scale
+    mask = _block_mask(qi, kj, bq, bk, causal, qseg_ref, kvseg_ref)
+    if mask is not None:
+      s = jnp.where(mask[None], s, NEG_INF)
+    # Online softmax: rescale what was accumulated under the old running max.
+    m_prev = m_scr[...]
+    m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_new)
+    p = jnp.exp(s - m_new)
+    l_scr[...] = alpha * l_scr[...] + p.sum(axis=-1, keepdims=True)
+    pv = jnp.dot(p.reshape(G * bq, bk).astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
+    acc_scr[...] = alpha * acc_scr[...] + pv.reshape(G, bq, H)
+    m_scr[...] = m_new
+
+  _run_if(_block_visible(qi, kj, bq, bk, causal), _compute)
+
+  @pl.when(kj == pl.num_programs(3) - 1)
+  def _finish():
+    l = l_scr[...]  # >= 1: the row max contributes exp(0)
+    o_ref[...] = (acc_scr[...] / l).astype(o_ref.dtype)
+    lse_ref[...] = m_scr[...] + jnp.log(l)
+
+
+def _dkv_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
+  (qseg_ref, kvseg_ref), refs = _split_refs(refs, has_seg)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref, dk_scr, dv_scr = refs
+  kj, qi = pl.program_id(2), pl.program_id(3)  # kv block outer, q blocks reduced over
+  G, _, H = q_ref.shape
+
+  @pl.when(qi == 0)
+  def _init():
+    dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
+    dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
+
+  def _compute():
+    q = q_ref[...].reshape(G * bq, H)
+    do = do_ref[...].reshape(G * bq, H)
+    s = _dot_t(q, k_ref[...]).reshape(G, bq, bk) * sm_scale
+    p = jnp.exp(s - lse_ref[...])  # recomputed probabilities, exact thanks to the saved log-sum-exp
+    mask = _block_mask(qi, kj, bq, bk, causal, qseg_ref, kvseg_ref)
+    if mask is not None:
+      p = jnp.where(mask[None], p, 0.0)
+    p = p.reshape(G * bq, bk)
+    dv_scr[...] += _dot_tn(p.astype(do.dtype), do)  # sums over the G heads sharing this kv head
+    dp = _dot_t(do, v_ref[...])
+    ds = p * (dp - di_ref[...].reshape(G * bq, 1))
+    dk_scr[...] += _dot_tn(ds.astype(q.dtype), q) * sm_scale
+
+  _run_if(_block_visible(qi, kj, bq, bk, causal), _compute)
+
+  @pl.when(qi == pl.num_programs(3) - 1)
+  def _finish():
+    dk_ref[...] = dk_scr[...].astype(dk_ref.dtype)
+    dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
+
+
+def _dq_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
+  (qseg_ref, kvseg_ref), refs = _split_refs(refs, has_seg)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dq_ref, dq_scr = refs
+  qi, kj = pl.program_id(2), pl.program_id(3)
+  G, _, H = q_ref.shape
+
+  @pl.when(kj == 0)
+  def _init():
+    dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+
+  def _compute():
+    s = _dot_t(q_ref[...].reshape(G * bq, H), k_ref[...]).reshape(G, bq, bk) * sm_scale
+    p = jnp.exp(s - lse_ref[...])
+    mask = _block_mask(qi, kj, bq, bk, causal, qseg_ref, kvseg_ref)
+    if mask is not None:
+      p = jnp.where(mask[None], p, 0.0)
+    p = p.reshape(G * bq, bk)
+    dp = _dot_t(do_ref[...].reshape(G * bq, H), v_ref[...])
+    ds = p * (dp - di_ref[...].reshape(G * bq, 1))
+    dq = jnp.dot(ds.astype(k_ref.dtype), k_ref[...], preferred_element_type=jnp.float32) * sm_scale
+    dq_scr[...] += dq.reshape(G, bq, H)
+
+  _run_if(_block_visible(qi, kj, bq, bk, causal), _compute)
+
+  @pl.when(kj == pl.num_programs(3) - 1)
+  def _finish():
+    dq_ref[...] = dq_scr[...].astype(dq_ref.dtype)
+
+
+def _specs(G, H, bq, bk, causal, q_major):
+  """BlockSpecs for (q-like [B,K,G,T,*], kv-like [B,K,S,H], q seg, kv seg) on a grid (B, K, outer, inner).
+
+  q_major: grid is (.., q block, kv block) (forward, dQ), else (.., kv block, q block) (dK/dV). For causal the
+  index of the block that the diagonal makes useless is clamped to the nearest useful one: an unchanged
+  block index between consecutive steps means no new DMA.
+  """
+  def qk_idx(o, i):
+    qi, kj = (o, i) if q_major else (i, o)
+    if causal and q_major:
+      kj = jnp.minimum(kj, (qi * bq + bq - 1) // bk)  # last kv block this q block sees
+    if causal and not q_major:
+      qi = jnp.maximum(qi, (kj * bk) // bq)  # first q block that sees this kv block
+    return qi, kj
+
+  def q_map(b, h, o, i):
+    return b, h, 0, qk_idx(o, i)[0], 0
+
+  def kv_map(b, h, o, i):
+    return b, h, qk_idx(o, i)[1], 0
+
+  q_spec = pl.BlockSpec((None, None, G, bq, H), q_map)
+  lse_spec = pl.BlockSpec((None, None, G, bq, 1), q_map)
+  kv_spec = pl.BlockSpec((None, None, bk, H), kv_map)
+  qseg_spec = pl.BlockSpec((None, bq, 1), lambda b, h, o, i: (b, qk_idx(o, i)[0], 0))
+  kvseg_spec = pl.BlockSpec((None, 1, bk), lambda b, h, o, i: (b, 0, qk_idx(o, i)[1]))
+  return q_spec, lse_spec, kv_spec, qseg_spec, kvseg_spec
+
+
+_SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+
+
+def _flash_fwd(q, k, v, seg, causal, sm_scale, bq, bk):
+  B, K, G, T, H = q.shape
+  S = k.shape[2]
+  q_spec, lse_spec, kv_spec, qseg_spec, kvseg_spec = _specs(G, H, bq, bk, causal, q_major=True)
+  has_seg = seg is not None
+  kernel = functools.partial(_fwd_kernel, causal=causal, has_seg=has_seg, sm_scale=sm_scale, bq=bq, bk=bk)
+  o, lse = pl.pallas_call(
+      kernel,
+      grid=(B, K, T // bq, S // bk),
+      in_specs=([qseg_spec, kvseg_spec] if has_seg else []) + [q_spec, kv_spec, kv_spec],
+      out_specs=[q_spec, lse_spec],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, K, G, T, 1), jnp.float32)],
+      scratch_shapes=[pltpu.VMEM((G, bq, 1), jnp.float32), pltpu.VMEM((G, bq, 1), jnp.float32),
+                      pltpu.VMEM((G, bq, H), jnp.float32)],
+      compiler_params=_SEMANTICS,
+      name="flash_attention_fwd",
+  )(*(seg if has_seg else ()), q, k, v)
+  return o, lse
+
+
+def _flash_bwd(q, k, v, seg, o, lse, do, causal, sm_scale, bq, bk):
+  B, K, G, T, H = q.shape
+  S = k.shape[2]
+  has_seg = seg is not None
+  seg_args = seg if has_seg else ()
+  # di = rowsum(dO * O): the softmax-Jacobian correction, one fp32 scalar per query row.
+  di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
+  params = dict(causal=causal, has_seg=has_seg, sm_scale=sm_scale, bq=bq, bk=bk)
+
+  q_spec, lse_spec, kv_spec, qseg_spec, kvseg_spec = _specs(G, H, bq, bk, causal, q_major=False)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, **params),
+      grid=(B, K, S // bk, T // bq),
+      in_specs=([qseg_spec, kvseg_spec] if has_seg else []) + [q_spec, kv_spec, kv_spec, q_spec, lse_spec,
+                                                               lse_spec],
+      out_specs=[kv_spec, kv_spec],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      scratch_shapes=[pltpu.VMEM((bk, H), jnp.float32), pltpu.VMEM((bk, H), jnp.float32)],
+      compiler_params=_SEMANTICS,
+      name="flash_attention_dkv",
+  )(*seg_args, q, k, v, do, lse, di)
+
+  q_spec, lse_spec, kv_spec, qseg_spec, kvseg_spec = _specs(G, H, bq, bk, causal, q_major=True)
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, **params),
+      grid=(B, K, T // bq, S // bk),
+      in_specs=([qseg_spec, kvseg_spec] if has_seg else []) + [q_spec, kv_spec, kv_spec, q_spec, lse_spec,
+                                                               lse_spec],
+      out_specs=q_spec,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      scratch_shapes=[pltpu.VMEM((G, bq, H), jnp.float32)],
+      compiler_params=_SEMANTICS,
+      name="flash_attention_dq",
+  )(*seg_args, q, k, v, do, lse, di)
+  return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _flash(q, k, v, seg, causal, sm_scale, bq, bk):
+  return _flash_fwd(q, k, v, seg, causal, sm_scale, bq, bk)[0]
+
+
+def _flash_vjp_fwd(q, k, v, seg, causal, sm_scale, bq, bk):
+  o, lse = _flash_fwd(q, k, v, seg, causal, sm_scale, bq, bk)
+  return o, (q, k, v, seg, o, lse)
+
+
+def _flash_vjp_bwd(causal, sm_scale, bq, bk, res, do):
+  q, k, v, seg, o, lse = res
+  dq, dk, dv = _flash_bwd(q, k, v, seg, o, lse, do, causal, sm_scale, bq, bk)
+  return dq, dk, dv, None  # segment ids are integers: no cotangent
+
+
+_flash.defvjp(_flash_vjp_fwd, _flash_vjp_bwd)
+
+
+def _check_block(name, block, multiple=8):
+  if not isinstance(block, int) or block <= 0 or block % multiple:
+    raise ValueError(f"{name} must be a positive multiple of {multiple} (TPU sublane tiling), got {block!r}")
+
+
+def flash_attention(q, k, v, segment_ids=None, *, causal=True, sm_scale=None, block_q=128, block_k=128):
+  """Pallas flash attention on one device's arrays; same contract as attention_reference. Differentiable."""
+  if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+    raise ValueError(f"attention wants q [B,T,N,H], k and v [B,S,K,H]; got {q.shape}, {k.shape}, {v.shape}")
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  if k.shape[0] != B or k.shape[3] != H or N % K:
+    raise ValueError(f"attention: q {q.shape} and k {k.shape} disagree on B/H, or N={N} not a multiple of K={K}")
+  if (causal or segment_ids is not None) and T != S:
+    raise ValueError(f"attention: causal or segment_ids need T == S, got T={T}, S={S}")
+  if segment_ids is not None and segment_ids.shape != (B, T):
+    raise ValueError(f"attention: segment_ids must be [B,T]={(B, T)}, got {segment_ids.shape}")
+  _check_block("block_q", block_q)
+  _check_block("block_k", block_k)
+  sm_scale = H ** -0.5 if sm_scale is None else float(sm_scale)
+  G = N // K
+  # Short sequences use one (8-row aligned) block; longer ones are padded up to a multiple of the block.
+  bq, bk = min(block_q, _round_up(T, 8)), min(block_k, _round_up(S, 8))
+  Tp, Sp = _round_up(T, bq), _round_up(S, bk)
+
+  seg = None
+  if segment_ids is not None or (not causal and Sp != S):
+    # Without causality nothing hides padded keys, so they get a segment id no real query has.
+    q_ids = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    kv_ids = q_ids if segment_ids is not None else jnp.zeros((B, S), jnp.int32)
+    q_ids = jnp.pad(q_ids, ((0, 0), (0, Tp - T)), constant_values=PAD_SEGMENT)
+    kv_ids = jnp.pad(kv_ids, ((0, 0), (0, Sp - S)), constant_values=PAD_SEGMENT)
+    seg = (q_ids[:, :, None], kv_ids[:, None, :])
+
+  # [B,T,N,H] -> [B,K,G,T,H]: heads of one group adjacent, sequence second-minor (TPU sublanes).
+  qt = jnp.pad(q.reshape(B, T, K, G, H), ((0, 0), (0, Tp - T), (0, 0), (0, 0), (0, 0))).transpose(0, 2, 3, 1, 4)
+  kt = jnp.pad(k, ((0, 0), (0, Sp - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  vt = jnp.pad(v, ((0, 0), (0, Sp - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  o = _flash(qt, kt, vt, seg, causal, sm_scale, bq, bk)
+  return o.transpose(0, 3, 1, 2, 4)[:, :T].reshape(B, T, N, H)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Ragged decode attention.
+
+def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr, *, sm_scale, bs):
+  b, j = pl.program_id(0), pl.program_id(1)
+  K, G, H = q_ref.shape
+  length = lengths_ref[b]
+
+  @pl.when(j == 0)
+  def _init():
+    m_scr[...] = jnp.full(m_scr.shape, NEG_INF, jnp.float32)
+    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+  @pl.when(j * bs < length)  # blocks wholly past the length: no compute (and, via the index map, no DMA)
+  def _compute():
+    valid_row = j * bs + lax.broadcasted_iota(jnp.int32, (1, bs), 1) < length  # [1,bs] over scores
+    valid_col = j * bs + lax.broadcasted_iota(jnp.int32, (bs, 1), 0) < length  # [bs,1] over V rows
+    for h in range(K):  # static loop over the kv heads of this row's tile
+      k = k_ref[:, h * H:(h + 1) * H]  # [bs,H]
+      # Rows past the length may be stale or (partial last block) unspecified memory: zero V so that
+      # 0 * garbage cannot leak a NaN into the sum.
+      v = jnp.where(valid_col, v_ref[:, h * H:(h + 1) * H], 0)
+      s = jnp.where(valid_row, _dot_t(q_ref[h], k) * sm_scale, NEG_INF)  # [G,bs]
+      m_prev = m_scr[h]
+      m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+      alpha = jnp.exp(m_prev - m_new)
+      p = jnp.exp(s - m_new)
+      l_scr[h] = alpha * l_scr[h] + p.sum(axis=-1, keepdims=True)
+      acc_scr[h] = alpha * acc_scr[h] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      m_scr[h] = m_new
+
+  @pl.when(j == pl.num_programs(1) - 1)
+  def _finish():
+    l = l_scr[...]
+    o_ref[...] = jnp.where(l > 0, acc_scr[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def ragged_decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, block_s=256):
+  """Pallas decode attention on one device's arrays; same contract as decode_attention_reference."""
+  if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+    raise ValueError(f"decode_attention wants q [B,N,H], caches [B,S,K,H]; got {q.shape}, {k_cache.shape}, "
+                     f"{v_cache.shape}")
+  B, N, H = q.shape
+  _, S, K, _ = k_cache.shape
+  if k_cache.shape[0] != B or k_cache.shape[3] != H or N % K:
+    raise ValueError(f"decode_attention: q {q.shape} and cache {k_cache.shape} disagree on B/H, or N % K != 0")
+  if lengths.shape != (B,):
+    raise ValueError(f"decode_attention: lengths must be [B]={(B,)}, got {lengths.shape}")
+  _check_block("block_s", block_s)
+  sm_scale = H ** -0.5 if sm_scale is None else float(sm_scale)
+  G = N // K
+  bs = min(block_s, S)  # a block equal to the full dim is always a legal TPU block
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
+
+  def kv_map(b, j, lengths_ref):
+    # Clamp to the row's last valid block: steps past it revisit that block, which costs no DMA.
+    return b, jnp.maximum(jnp.minimum(j, (lengths_ref[b] - 1) // bs), 0), 0
+
+  qo_spec = pl.BlockSpec((None, K, G, H), lambda b, j, lengths_ref: (b, 0, 0, 0))
+  kv_spec = pl.BlockSpec((None, bs, K * H), kv_map)
+  o = pl.pallas_call(
+      functools.partial(_decode_kernel, sm_scale=sm_scale, bs=bs),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(B, pl.cdiv(S, bs)), in_specs=[qo_spec, kv_spec, kv_spec],
+          out_specs=qo_spec,
+          scratch_shapes=[pltpu.VMEM((K, G, 1), jnp.float32), pltpu.VMEM((K, G, 1), jnp.float32),
+                          pltpu.VMEM((K, G, H), jnp.float32)]),
+      out_shape=jax.ShapeDtypeStruct((B, K, G, H), q.dtype),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+      name="ragged_decode_attention",
+  )(lengths, q.reshape(B, K, G, H), k_cache.reshape(B, S, K * H), v_cache.reshape(B, S, K * H))
+  return o.reshape(B, N, H)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shard_map wrappers and the public entry points.
+
+def _resolve_mesh(mesh):
+  """The mesh to shard over: `mesh`, else the context mesh (jax.set_mesh); None for plain single-device."""
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      return None
+  if set(mesh.axis_names) & set(mesh.manual_axes if hasattr(mesh, "manual_axes") else ()):
+    return None  # already inside a shard_map over this mesh: the arrays are local blocks
+  return mesh
+
+
+def _mesh_axes(mesh, name, *dims):
+  """(batch axes, head axis) present in the mesh, after checking the sharded dims divide evenly."""
+  batch = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+  head = HEAD_AXIS if HEAD_AXIS in mesh.axis_names else None
+  nb = 1
+  for a in batch:
+    nb *= mesh.shape[a]
+  nh = mesh.shape[head] if head else 1
+  B, *heads = dims
+  if B % nb or any(h % nh for h in heads):
+    raise ValueError(f"{name}: batch {B} must divide by {nb} ({'x'.join(batch)} shards) and heads {heads} by "
+                     f"{nh} ('{HEAD_AXIS}' shards) on mesh {dict(mesh.shape)}")
+  return (batch or None), head
+
+
+def _shard_call(fn, mesh, in_specs, out_specs, *args):
+  """Run fn per shard. Explicit-axis meshes (the JAX 0.10 default) need the inputs already laid out as
+  in_specs, so reshard them first (a no-op when they already are); Auto meshes let shard_map do it."""
+  if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    args = [jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, s)) for x, s in zip(args, in_specs)]
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+
+def attention(q, k, v, segment_ids=None, *, causal=True, sm_scale=None, impl="auto", mesh=None,
+              block_q=128, block_k=128):
+  """Causal/GQA/packed attention; see module docstring. impl="pallas" runs per shard on `mesh` (or the
+  context mesh) with batch over ("data","fsdp") and heads over "tensor"."""
+  if not _use_pallas(impl):
+    return attention_reference(q, k, v, segment_ids, causal=causal, sm_scale=sm_scale)
+  fn = functools.partial(flash_attention, causal=causal, sm_scale=sm_scale, block_q=block_q, block_k=block_k)
+  mesh = _resolve_mesh(mesh)
+  if mesh is None:
+    return fn(q, k, v, segment_ids)
+  batch, head = _mesh_axes(mesh, "attention", q.shape[0], q.shape[2], k.shape[2])
+  qkv_spec = P(batch, None, head, None)
+  if segment_ids is None:
+    return _shard_call(lambda q, k, v: fn(q, k, v), mesh, (qkv_spec,) * 3, qkv_spec, q, k, v)
+  return _shard_call(fn, mesh, (qkv_spec,) * 3 + (P(batch, None),), qkv_spec, q, k, v, segment_ids)
+
+
+def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, impl="auto", mesh=None, block_s=256):
+  """One-token decode attention over a ragged KV cache; see module docstring. Sharded like `attention`."""
+  if not _use_pallas(impl):
+    return decode_attention_reference(q, k_cache, v_cache, lengths, sm_scale=sm_scale)
+  fn = functools.partial(ragged_decode_attention, sm_scale=sm_scale, block_s=block_s)
+  mesh = _resolve_mesh(mesh)
+  if mesh is None:
+    return fn(q, k_cache, v_cache, lengths)
+  batch, head = _mesh_axes(mesh, "decode_attention", q.shape[0], q.shape[1], k_cache.shape[2])
+  cache_spec = P(batch, None, head, None)
+  return _shard_call(fn, mesh, (P(batch, head, None), cache_spec, cache_spec, P(batch)), P(batch, head, None),
+                     q, k_cache, v_cache, lengths)
+
+
 def _use_pallas(impl):
   if impl not in ("auto", "ref", "pallas"):
     raise ValueError(f"attention impl must be 'auto', 'ref' or 'pallas', got {impl!r}")
   return impl == "pallas" or (impl == "auto" and jax.default_backend() == "tpu")
-
-
-def attention(q, k, v, segment_ids=None, *, causal=True, sm_scale=None, impl="auto"):
-  if _use_pallas(impl):
-    raise NotImplementedError("Pallas flash attention lands with issue 3")
-  return attention_reference(q, k, v, segment_ids, causal=causal, sm_scale=sm_scale)
-
-
-def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, impl="auto"):
-  if _use_pallas(impl):
-    raise NotImplementedError("Pallas decode attention lands with issue 3")
-  return decode_attention_reference(q, k_cache, v_cache, lengths, sm_scale=sm_scale)
