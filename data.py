@@ -655,14 +655,21 @@ def _main():
     os.setgid(65534)
     os.setuid(65534)
   status.append(f"uid={os.getuid()}")
+  try:  # die with the verifier process (e.g. a pool worker killed on timeout); set after setuid, which clears it
+    libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+  except Exception:
+    pass
+  if os.getppid() != spec["ppid"]:
+    os._exit(3)  # the parent already died before prctl took effect
   setr(resource.RLIMIT_NPROC, (0, 0))  # no fork, no threads (enforced for non-root uids)
   for m in ("ctypes", "_ctypes", "ctypes._endian"):
     sys.modules.pop(m, None)
   os.write(result_fd, (" ".join(status) + "\n").encode())
+  isinstance_, str_, bytes_ = isinstance, str, bytes
   if lim["audit_hook"]:
     prefixes = tuple(sorted({os.path.realpath(p) + os.sep for p in
                              (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}))
-    work_sep, realpath, isinstance_, str_, bytes_ = work + os.sep, os.path.realpath, isinstance, str, bytes
+    work_sep, realpath = work + os.sep, os.path.realpath
     deny_prefix = ("os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "os.kill",
                    "os.killpg", "os.chdir", "os.chroot", "subprocess.", "socket.", "ctypes.", "sys._getframe",
                    "sys._current_frames", "gc.", "object.__getattr__", "object.__setattr__", "object.__delattr__",
@@ -753,7 +760,7 @@ def run_code(code: str, tests, limits: SandboxLimits = SandboxLimits()) -> CodeR
     nonce = secrets.token_hex(16)
     with open(os.path.join(root, "result"), "w+b") as res, open(os.path.join(root, "stderr"), "w+b") as err, \
         tempfile.TemporaryFile(dir=root) as spec_f:
-      spec = {"nonce": nonce, "code": code, "tests": tests, "result_fd": res.fileno(),
+      spec = {"nonce": nonce, "code": code, "tests": tests, "result_fd": res.fileno(), "ppid": os.getpid(),
               "limits": dataclasses.asdict(limits)}
       spec_f.write(json.dumps(spec).encode())
       spec_f.seek(0)

@@ -1,0 +1,449 @@
+"""Tests for data.py: tokenizer, jsonl datasets, prompt stream, built-in tasks, verifiers (incl. adversarial
+code), verifier pool, curation, batching. Run: python -m pytest -q tests/test_data.py"""
+import json
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import data
+from data import Problem
+
+
+# ----------------------------------------------------------------------------------------------- tokenizer
+
+@pytest.fixture(scope="module")
+def task_tok_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp("tok")
+
+
+@pytest.mark.parametrize("task", ["arithmetic", "countdown"])
+def test_task_tokenizer_digits_roundtrip_specials(task_tok_dir, task):
+  path = data.build_task_tokenizer(task_tok_dir, task)
+  tok = data.load_tokenizer(path)
+  assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 2, 3)
+  assert tok.vocab_size <= 64
+  # Every digit is its own piece, whatever the digits' neighbours.
+  pieces = tok.pieces("9081726354")
+  assert pieces == list("9081726354")
+  for p in data.make_task_problems(task, 50, difficulty=3, seed=5, split="eval"):
+    for text in (p.prompt, p.answer, p.prompt + p.answer):
+      ids = tok.encode(text)
+      assert 1 not in ids, f"unk in {text!r}"
+      assert tok.decode(ids) == text
+  ids = tok.encode("12+345=", add_bos=True)
+  assert ids[0] == tok.bos_id
+  # decode stops at eos and drops pad/bos.
+  assert tok.decode(ids + tok.encode("357") + [tok.eos_id] + tok.encode("99") + [tok.pad_id] * 3) == "12+345=357"
+
+
+def test_task_tokenizer_deterministic_and_reused(tmp_path):
+  a = data.build_task_tokenizer(tmp_path / "a", "arithmetic", seed=0)
+  b = data.build_task_tokenizer(tmp_path / "b", "arithmetic", seed=0)
+  assert open(a, "rb").read() == open(b, "rb").read()
+  mtime = os.path.getmtime(a)
+  time.sleep(0.01)
+  assert data.build_task_tokenizer(tmp_path / "a", "arithmetic", seed=0) == a
+  assert os.path.getmtime(a) == mtime  # reused, not retrained
+  with pytest.raises(ValueError, match="task"):
+    data.build_task_tokenizer(tmp_path, "poetry")
+
+
+def test_train_tokenizer_byte_fallback_and_checkpoint_dir(tmp_path):
+  texts = [f"the answer to question {i} is {i * 7}." for i in range(300)]
+  path = data.train_tokenizer(texts, tmp_path / "ckpt" / "tokenizer.model", vocab_size=300)
+  tok = data.load_tokenizer(tmp_path / "ckpt")  # a checkpoint dir with tokenizer.model
+  s = "answer is 42 — naïve ✓"  # characters never seen in training come back through byte pieces
+  assert tok.decode(tok.encode(s)) == s
+  assert all(p.isdigit() for p in tok.pieces("31415") if p.strip("▁"))
+  with pytest.raises(ValueError, match="neither"):
+    data.load_tokenizer(tmp_path)
+
+
+def _write_hf_checkpoint(folder):
+  import tokenizers
+  from tokenizers import models, pre_tokenizers, decoders
+  vocab = {"<|endoftext|>": 0, "<|im_end|>": 1, "<|im_start|>": 2}
+  for ch in "abcdefghijklmnopqrstuvwxyz0123456789 +=\n":
+    vocab.setdefault(ch, len(vocab))
+  tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+  tok.decoder = decoders.Fuse()
+  tok.add_special_tokens(["<|endoftext|>", "<|im_end|>", "<|im_start|>"])
+  folder.mkdir()
+  tok.save(str(folder / "tokenizer.json"))
+  (folder / "tokenizer_config.json").write_text(json.dumps(
+      {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}))
+  (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 0]}))
+
+
+def test_hf_tokenizer_json(tmp_path, monkeypatch):
+  _write_hf_checkpoint(tmp_path / "ckpt")
+  tok = data.load_tokenizer(tmp_path / "ckpt")
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (None, 1, 0)
+  assert tok.stop_ids == {0, 1}
+  ids = tok.encode("abc 12+3", add_bos=True)  # no bos token: add_bos adds nothing
+  assert len(ids) == 8 and tok.decode(ids) == "abc 12+3"
+  assert tok.decode(ids + [1] + tok.encode("zz")) == "abc 12+3"
+  monkeypatch.setitem(sys.modules, "tokenizers", None)  # the optional dependency missing
+  with pytest.raises(ImportError, match="pip install tokenizers"):
+    data.load_tokenizer(tmp_path / "ckpt")
+
+
+def test_render_prompt():
+  p = Problem("1", "12+3=", "15", "arithmetic")
+  assert data.render_prompt(p) == "12+3="
+  assert data.render_prompt(p, "chatml") == "<|im_start|>user\n12+3=<|im_end|>\n<|im_start|>assistant\n"
+  assert data.render_prompt(p, "chatml", system="Be brief.").startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+  with pytest.raises(ValueError, match="template"):
+    data.render_prompt(p, "alpaca")
+
+
+# ------------------------------------------------------------------------------------------------ datasets
+
+def test_jsonl_roundtrip(tmp_path):
+  path = tmp_path / "p.jsonl"
+  path.write_text('{"id": "a", "prompt": "1+1?", "answer": 2}\n\n'
+                  '{"id": 7, "prompt": "echo", "answer": "", "tests": [{"input": "x\\n", "output": "x"}, "assert 1"]}\n')
+  ps = data.load_jsonl(path)
+  assert ps == [Problem("a", "1+1?", "2", "math", None), Problem("7", "echo", "", "code", (("x\n", "x"), "assert 1"))]
+  data.write_jsonl(tmp_path / "q.jsonl", ps, pass_rates={"a": 0.25})
+  assert data.load_jsonl(tmp_path / "q.jsonl") == ps
+  assert json.loads((tmp_path / "q.jsonl").read_text().splitlines()[0])["pass_rate"] == 0.25
+
+
+@pytest.mark.parametrize("line, match", [
+    ('{"id": "b", "prompt": "x", "answer": "1"', "invalid JSON"),
+    ('["not", "an", "object"]', "JSON object"),
+    ('{"id": "b", "prompt": "x"}', "missing field 'answer'"),
+    ('{"id": "b", "prompt": 5, "answer": "1"}', "'prompt' must be a string"),
+    ('{"id": null, "prompt": "x", "answer": "1"}', "'id'"),
+    ('{"id": "b", "prompt": "x", "answer": [1]}', "'answer'"),
+    ('{"id": "b", "prompt": "x", "answer": "1", "task": "poetry"}', "'task'"),
+    ('{"id": "b", "prompt": "x", "answer": "1", "tests": [{"input": 1}]}', r"tests\[0\]"),
+    ('{"id": "b", "prompt": "x", "answer": "1", "task": "code"}', "needs a non-empty 'tests'"),
+    ('{"id": "a", "prompt": "x", "answer": "1"}', "duplicate id 'a' .first seen on line 1"),
+])
+def test_jsonl_errors_name_file_and_line(tmp_path, line, match):
+  path = tmp_path / "bad.jsonl"
+  path.write_text('{"id": "a", "prompt": "p", "answer": "1"}\n' + line + "\n")
+  with pytest.raises(ValueError, match=match) as e:
+    data.load_jsonl(path)
+  assert f"{path}:2:" in str(e.value)
+
+
+def test_split_deterministic_disjoint():
+  ps = [Problem(str(i), f"p{i}", "0") for i in range(50)]
+  tr, ev = data.split(ps, 0.2, seed=3)
+  assert len(ev) == 10 and len(tr) == 40
+  assert {p.id for p in tr} | {p.id for p in ev} == {p.id for p in ps} and not {p.id for p in tr} & {p.id for p in ev}
+  assert data.split(ps, 0.2, seed=3) == (tr, ev) and data.split(ps, 0.2, seed=4) != (tr, ev)
+  assert len(data.split(ps, 7)[1]) == 7
+  for bad in (0.0, 1.0, 0, 50, "x"):
+    with pytest.raises(ValueError, match="held_out"):
+      data.split(ps, bad)
+
+
+def test_prompt_stream_epochs_and_exact_resume():
+  ps = [Problem(str(i), f"p{i}", "0") for i in range(7)]
+  s = data.PromptStream(ps, seed=1)
+  first = s.take(14)
+  assert sorted(p.id for p in first[:7]) == sorted(p.id for p in ps)  # each epoch is a permutation
+  assert sorted(p.id for p in first[7:]) == sorted(p.id for p in ps)
+  assert [p.id for p in first[:7]] != [p.id for p in first[7:]]
+  s.take(3)
+  state = json.loads(json.dumps(s.state_dict()))  # survives a JSON checkpoint
+  expected = s.take(20)
+  r = data.PromptStream(ps, seed=1)
+  r.load_state_dict(state)
+  assert r.take(20) == expected
+  assert data.PromptStream(ps, seed=1).take(14) == first  # deterministic by seed
+  assert data.PromptStream(ps, seed=2).take(7) != first[:7]
+  with pytest.raises(ValueError, match="fingerprint"):
+    data.PromptStream(ps[::-1], seed=1).load_state_dict(state)
+  with pytest.raises(ValueError, match="'n'"):
+    data.PromptStream(ps[:5], seed=1).load_state_dict(state)
+
+
+# ------------------------------------------------------------------------------------------ built-in tasks
+
+def test_arithmetic_problems_correct_deterministic_disjoint():
+  tr = data.make_task_problems("arithmetic", 400, difficulty=3, seed=0, ops="+-*")
+  ev = data.make_task_problems("arithmetic", 200, difficulty=3, seed=1, split="eval", ops="+-*")
+  assert tr == data.make_task_problems("arithmetic", 400, difficulty=3, seed=0, ops="+-*")
+  assert not {p.prompt for p in tr} & {p.prompt for p in ev}  # held-out never in training, even across seeds
+  assert len({p.id for p in tr}) == 400
+  ops_seen, max_digits = set(), 0
+  for p in tr + ev:
+    a, op, b = __import__("re").fullmatch(r"(\d+)([+*-])(\d+)=", p.prompt).groups()
+    assert int(p.answer) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+    assert data.verify(p, p.answer + "\n") == 1.0 and p.task == "arithmetic"
+    ops_seen.add(op)
+    max_digits = max(max_digits, len(a), len(b))
+  assert ops_seen == set("+-*") and max_digits == 3
+  with pytest.raises(ValueError, match="distinct"):
+    data.make_task_problems("arithmetic", 300, difficulty=1, ops="+")  # only 100 exist
+  with pytest.raises(ValueError, match="difficulty"):
+    data.make_task_problems("arithmetic", 3, difficulty=0)
+
+
+def test_countdown_problems_solvable_and_disjoint():
+  tr = data.make_task_problems("countdown", 200, difficulty=4, seed=0, max_number=12)
+  ev = data.make_task_problems("countdown", 50, difficulty=4, seed=0, split="eval", max_number=12)
+  assert not {p.prompt for p in tr} & {p.prompt for p in ev}
+  for p in tr + ev:
+    nums, target = p.prompt.split(" -> ")
+    assert len(nums.split()) == 4 and all(1 <= int(x) <= 12 for x in nums.split()) and int(target[:-1]) > 0
+    assert data.verify(p, p.answer) == 1.0, p
+
+
+def test_arithmetic_verifier():
+  p = Problem("x", "3-15=", "-12", "arithmetic")
+  assert [data.verify(p, c) for c in ("-12", " -12\n", "-012", "12", "-12 ", "-1 2", "-12.0", "- 12", "")] == \
+      [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_countdown_verifier():
+  p = Problem("x", "6 4 3 -> 8:", "6/3*4", "countdown")
+  cases = {"6/3*4": 1, "4*6/3": 1, "(4/3)*6": 1, " 6/3*4=8 ": 1, "6/3*4=9": 0, "4+4": 0, "6+3": 0, "8": 0,
+           "6-(3-4)+1": 0, "-(-8)": 0, "2**3": 0, "__import__('os').system('x')": 0, "6/(3-3)": 0,
+           "((((6/3))))*4": 1, "(" * 500 + "8" + ")" * 500: 0, "6/3*4+0": 0}
+  for c, want in cases.items():
+    assert data.verify(p, c) == want, c
+  assert data.verify(Problem("y", "2 2 5 -> 9:", "2+2+5", "countdown"), "5+2+2") == 1.0
+  assert data.verify(Problem("y", "2 2 5 -> 7:", "2+5", "countdown"), "2+5") == 1.0  # subsets are allowed
+
+
+def test_math_verifier():
+  eq = data.math_answer_equal
+  ex = data.extract_answer
+  assert ex("so \\boxed{3} hmm, no: \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+  assert ex("\\boxed{\\frac{a}{\\sqrt{b}}} done") == "\\frac{a}{\\sqrt{b}}"
+  assert ex("We get 12 apples.\nThe answer is 1,234.") == "1,234."
+  assert ex("so 3 then 4\n x = -7.5") == "-7.5" and ex("no numbers") is None
+  for pred, ref in [("\\frac{1}{2}", "0.5"), ("1,234", "1234"), ("-3", "-3.0"), ("\\dfrac{-6}{4}", "-1.5"),
+                    ("-\\frac{3}{2}", "-1.5"), ("\\frac12", "1/2"), ("$x = 5$", "5"), ("50\\%", "50"),
+                    ("1,234,567.5", "1234567.5"), ("\\left( 3, 4 \\right)", "(3,4)"), ("1e3", "1000")]:
+    assert eq(pred, ref), (pred, ref)
+  for pred, ref in [("0.333", "1/3"), ("1,23", "123"), ("-3", "3"), ("\\frac{1}{0}", "0"), (None, "1"), ("", "")]:
+    assert not eq(pred, ref), (pred, ref)
+  p = Problem("m", "?", "\\boxed{\\frac{1}{2}}", "math")
+  assert data.verify(p, "First \\boxed{2}. Wait, actually \\boxed{0.5}") == 1.0  # the last box wins
+  assert data.verify(p, "First \\boxed{0.5}. Wait, actually \\boxed{2}") == 0.0
+  assert data.verify(Problem("m", "?", "1234", "math"), "Total: 1,234") == 1.0
+
+
+# -------------------------------------------------------------------------------------------- code sandbox
+
+FAST = data.SandboxLimits(wall_s=3.0, cpu_s=2, mem_mb=256, output_bytes=1 << 16)
+
+
+def run(code, tests=(("", "ok"),), limits=FAST):
+  return data.run_code(code, tests, limits)
+
+
+def test_code_passes_and_fails():
+  r = run("print(sum(map(int, input().split())))", [("1 2\n", "3\n"), ("5 5", "10")])
+  assert r.passed and r.reason == "ok", r
+  assert not run("print(sum(map(int, input().split())) + 1)", [("1 2\n", "3\n")]).passed
+  assert run("def f(x):\n  return 2 * x\n", ["assert f(2) == 4", "assert f(0) == 0"]).passed
+  assert not run("def f(x):\n  return 2 * x\n", ["assert f(2) == 5"]).passed
+  assert not run("raise RuntimeError('crash')").passed
+  assert not run("def f(:").passed  # syntax error
+  # Writing and reading back inside the work dir is allowed (the hook is not denying everything).
+  assert run("open('a.txt', 'w').write('ok')\nprint(open('a.txt').read())").passed
+  assert run("import sys\nprint('ok')\nsys.exit(0)").passed  # a normal exit(0) ends an io test fine
+  p = Problem("c", "?", "", "code", (("2\n", "4"),))
+  assert data.verify(p, "Sure:\n```python\nprint(int(input()) ** 2)\n```\n") == 1.0
+  assert data.verify(p, "print(int(input()) * 3)") == 0.0
+
+
+def test_code_exit_cheats_fail():
+  for cheat in ("import os\nos._exit(0)", "import sys\nsys.exit(0)", "raise SystemExit(0)"):
+    assert not run("def f(x):\n  return 0\n" + cheat, ["assert f(2) == 4"]).passed, cheat
+  frame_walk = ("try:\n  raise ValueError\nexcept ValueError as e:\n  f = e.__traceback__.tb_frame\n"
+                "  print(f.f_back.f_locals)\n")
+  r = run(frame_walk + "print('ok')")
+  assert not r.passed and "object.__getattr__" in r.stderr, r
+
+
+def test_code_infinite_loop_and_cpu_limit():
+  t = time.monotonic()
+  r = run("while True:\n  pass")
+  assert not r.passed and r.reason in ("timeout", "killed by signal 24")
+  assert time.monotonic() - t < FAST.wall_s + 2
+  t = time.monotonic()
+  r = run("import time\ntime.sleep(100)")  # no CPU use: only the wall-time kill can stop it
+  assert r.reason == "timeout" and time.monotonic() - t < FAST.wall_s + 2
+
+
+def test_code_huge_output_capped():
+  t = time.monotonic()
+  assert not run("print('x' * (1 << 30))").passed  # 1 GB string: RLIMIT_AS
+  assert not run("while True:\n  print('x' * 100000)").passed  # unbounded captured stdout
+  r = run("import os\nwhile True:\n  os.write(1, b'x' * 100000)")  # straight to fd 1: RLIMIT_FSIZE
+  assert not r.passed
+  r = run("import sys\nwhile True:\n  sys.stderr.write('e' * 100000)")
+  assert not r.passed and len(r.stderr) <= 2000
+  assert time.monotonic() - t < 4 * FAST.wall_s
+
+
+def test_code_fork_bomb_guarded():
+  t = time.monotonic()
+  r = run("import os\nwhile True:\n  os.fork()")
+  assert not r.passed and "os.fork" in r.stderr, r
+  assert not run("import subprocess\nsubprocess.run(['sh', '-c', ':(){ :|:& };:'])").passed
+  assert not run("import multiprocessing\nmultiprocessing.Process(target=print).start()").passed
+  assert time.monotonic() - t < 3 * FAST.wall_s
+  # Without the audit hook the OS layer (RLIMIT_NPROC=0 for a non-root uid) still refuses to fork.
+  r = run("import os\ntry:\n  os.fork()\n  print('forked')\nexcept OSError:\n  print('ok')",
+          limits=data.dataclasses.replace(FAST, audit_hook=False))
+  assert r.passed, r
+
+
+def test_code_cannot_read_outside_tmp(tmp_path):
+  secret = tmp_path / "secret.txt"
+  secret.write_text("s3cret")
+  secret.chmod(0o644)
+  for path in ("/etc/passwd", str(secret), "../result", "/proc/self/environ"):
+    probe = f"try:\n  open({path!r}).read()\n  print('read it')\nexcept PermissionError:\n  print('ok')"
+    r = run(probe)
+    assert r.passed, (path, r)
+  assert run(f"import os\ntry:\n  os.listdir('/')\nexcept PermissionError:\n  print('ok')").passed
+  assert run(f"import os\ntry:\n  os.symlink('/etc/passwd', 'p')\nexcept PermissionError:\n  print('ok')").passed
+  assert run(f"try:\n  open('/tmp/x_from_sandbox', 'w')\nexcept PermissionError:\n  print('ok')").passed
+
+
+def test_code_no_network():
+  server = socket.socket()
+  server.bind(("127.0.0.1", 0))
+  server.listen(1)
+  port = server.getsockname()[1]
+  try:
+    probe = (f"try:\n  import socket\n  socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+             f"  print('connected')\nexcept (ImportError, OSError):\n  print('ok')")
+    assert run(probe).passed
+    no_hook = run(probe, limits=data.dataclasses.replace(FAST, audit_hook=False))
+    if "net=unshared" not in no_hook.sandbox:
+      pytest.skip(f"kernel refused a network namespace ({no_hook.sandbox}); the audit hook is the only net guard")
+    assert no_hook.passed, no_hook  # the network namespace alone blocks it
+  finally:
+    server.close()
+
+
+# --------------------------------------------------------------------------------------------- verifier pool
+
+def test_verifier_pool_scores_and_survives_timeouts():
+  probs = data.make_task_problems("arithmetic", 3, difficulty=2, seed=0)
+  slow = Problem("slow", "?", "", "code", (("", "never"),))
+  with data.VerifierPool(max_workers=2, timeout_s=2.0, limits=data.SandboxLimits(wall_s=60, cpu_s=60)) as pool:
+    t = time.monotonic()
+    scores = pool.score(probs + [slow] + probs, [p.answer for p in probs] + ["while True: pass"] + ["0", "1", "2"])
+    elapsed = time.monotonic() - t
+    assert scores[:3] == [1.0, 1.0, 1.0] and scores[3] == 0.0
+    assert scores[4:] == [float(p.answer == c) for p, c in zip(probs, ["0", "1", "2"])]
+    assert pool.timeouts == 1 and elapsed < 20, elapsed
+    assert pool.score(probs, [p.answer for p in probs]) == [1.0, 1.0, 1.0]  # the replaced worker works
+    with pytest.raises(ValueError, match="completions"):
+      pool.score(probs, [])
+  bad = Problem("bad", "?", "1", "poetry")  # a verifier error scores 0 and is counted, never raised
+  pool = data.VerifierPool(max_workers=1)
+  assert pool.score([bad], ["1"]) == [0.0] and pool.errors == 1 and "poetry" in pool.last_error
+  pool.close()
+  assert data.VerifierPool(max_workers=0).score(probs, [p.answer for p in probs]) == [1.0, 1.0, 1.0]
+
+
+# ------------------------------------------------------------------------------------------------- curation
+
+def test_offline_curation(tmp_path):
+  probs = data.make_task_problems("arithmetic", 6, difficulty=2, seed=0)
+  solved = {p.id: i for i, p in enumerate(probs)}  # problem i is solved by min(i, 4) of 4 samples
+
+  def sample_fn(batch, k):
+    return [[p.answer if j < solved[p.id] else "x" for j in range(k)] for p in batch]
+
+  rates = data.estimate_pass_rates(probs, sample_fn, k=4, batch_size=4)
+  assert [rates[p.id] for p in probs] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+  assert data.filter_by_pass_rate(probs, rates) == probs[1:4]
+  assert data.filter_by_pass_rate(probs, rates, 0.3, 0.8) == probs[2:4]
+  kept, _ = data.curate(probs, sample_fn, 4, tmp_path / "c.jsonl", low=0.0, high=1.0)
+  assert data.load_jsonl(tmp_path / "c.jsonl") == kept == probs[1:4]
+  with pytest.raises(ValueError, match="no pass rate"):
+    data.filter_by_pass_rate(probs, {})
+  with pytest.raises(ValueError, match="lists of 4"):
+    data.estimate_pass_rates(probs, lambda b, k: [["x"] * (k - 1) for _ in b], k=4)
+
+
+def test_pass_rate_tracker_and_dynamic_sampling():
+  t = data.PassRateTracker(ema=0.5)
+  t.update("a", [1, 0, 0, 0])
+  t.update("a", [1, 1, 1, 1])
+  t.update("b", [0, 0])
+  assert t.rate("a") == 5 / 8 and t.ema_rate("a") == 0.5 * 0.25 + 0.5 * 1.0 and t.rate("zz") is None
+  assert t.summary() == {"prompts": 2, "mean_rate": (5 / 8) / 2, "frac_always": 0.0, "frac_never": 0.5}
+  r = data.PassRateTracker()
+  r.load_state_dict(json.loads(json.dumps(t.state_dict())))
+  assert r.stats == t.stats and r.ema == 0.5
+  groups = [[1, 1, 1], [0, 0, 0], [0, 1, 0], [0.5, 0.5000001], []]
+  assert data.dynamic_sampling_filter(groups) == [[0, 1, 0]]
+  objs = [{"r": [1, 0]}, {"r": [1, 1]}]
+  assert data.dynamic_sampling_filter(objs, key=lambda g: g["r"]) == objs[:1]
+
+
+# ------------------------------------------------------------------------------------------------- batching
+
+def test_make_batch_alignment():
+  b = data.make_batch([[2, 10, 11], [2, 12]], [[20, 21, 3], [22]], buckets=(4, 8), pad_id=0, batch_size=3,
+                      completion_extras={"logp": [[-1.0, -2.0, -3.0], [-4.0]]})
+  assert b["tokens"].shape == (3, 8) and b["tokens"].dtype == np.int32
+  np.testing.assert_array_equal(b["tokens"][0], [2, 10, 11, 20, 21, 3, 0, 0])
+  np.testing.assert_array_equal(b["targets"][0], [10, 11, 20, 21, 3, 0, 0, 0])
+  np.testing.assert_array_equal(b["loss_mask"][0], [0, 0, 1, 1, 1, 0, 0, 0])
+  np.testing.assert_array_equal(b["logp"][0], [0, 0, -1, -2, -3, 0, 0, 0])
+  np.testing.assert_array_equal(b["tokens"][1], [2, 12, 22, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(b["loss_mask"][1], [0, 1, 0, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(b["positions"][1], [0, 1, 2, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(b["segment_ids"][1], [1, 1, 1, 0, 0, 0, 0, 0])
+  assert not b["segment_ids"][2].any() and not b["loss_mask"][2].any()  # padding row
+  np.testing.assert_array_equal(b["prompt_lens"], [3, 2, 0])
+  np.testing.assert_array_equal(b["completion_lens"], [3, 1, 0])
+  # Every masked target is the completion token it should be.
+  m = b["loss_mask"] > 0
+  assert b["targets"][0][m[0]].tolist() == [20, 21, 3]
+  assert data.pad_to_bucket(5, (4, 8)) == 8 and data.pad_to_bucket(4, (8, 4)) == 4
+  with pytest.raises(ValueError, match="largest bucket"):
+    data.make_batch([[1] * 9], [[2]], buckets=(4, 8))
+  with pytest.raises(ValueError, match="empty prompt"):
+    data.make_batch([[]], [[2]])
+  with pytest.raises(ValueError, match="completion tokens"):
+    data.make_batch([[1]], [[2, 3]], completion_extras={"logp": [[0.0]]})
+
+
+def test_pack_matches_padded_batch():
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(4, 50, rng.integers(1, 6)).tolist() for _ in range(9)]
+  comps = [rng.integers(4, 50, rng.integers(0, 6)).tolist() for _ in range(9)]
+  extras = {"logp": [rng.normal(size=len(c)).tolist() for c in comps]}
+  packed = data.pack(prompts, comps, seq_len=16, pad_id=0, completion_extras=extras)
+  padded = data.make_batch(prompts, comps, buckets=(16,), completion_extras=extras)
+  assert packed["tokens"].shape[0] < len(prompts)  # several sequences share a row
+  for i in range(len(prompts)):
+    r, s, L = packed["row"][i], packed["offset"][i], len(prompts[i]) + len(comps[i])
+    for key in ("tokens", "targets", "positions", "loss_mask", "logp"):
+      got = packed[key][r, s:s + L].copy()
+      if key == "targets":
+        got[-1] = 0  # the segment's last target is pad in both layouts
+      np.testing.assert_array_equal(got, padded[key][i, :L], err_msg=f"{key} seq {i}")
+    assert len(set(packed["segment_ids"][r, s:s + L].tolist())) == 1
+  # Segment ids within each row are 1..k in order; padding is 0.
+  for row in packed["segment_ids"]:
+    nz = row[row > 0]
+    assert (np.diff(nz) >= 0).all() and nz[0] == 1 and not row[len(nz):].any()
+  assert packed["loss_mask"].sum() == sum(len(c) for c in comps)
+  with pytest.raises(ValueError, match="only 1 allowed"):
+    data.pack(prompts, comps, seq_len=16, num_rows=1)
+  with pytest.raises(ValueError, match="seq_len"):
+    data.pack([[1] * 20], [[2]], seq_len=16)
