@@ -83,6 +83,7 @@ import queue as queue_lib
 import random
 import re
 import secrets
+import select
 import signal
 import socket
 import struct
@@ -129,6 +130,10 @@ class _Refused(Exception):
 
 class _Truncated(ConnectionError):
   pass
+
+
+class _Idle(TimeoutError):
+  """No request started within the idle timeout: the server closes silently (there is nothing to answer)."""
 
 
 # ----------------------------------------------------------------------------------------------- framing
@@ -194,7 +199,7 @@ def _read_prefix_header(sock, first_deadline, header_timeout_s, max_header):
   try:
     k = sock.recv_into(mv, PREFIX.size)
   except socket.timeout:
-    raise TimeoutError("idle connection timed out") from None
+    raise _Idle("no frame started before the deadline") from None
   if k == 0:
     return None
   deadline = time.monotonic() + header_timeout_s
@@ -312,8 +317,9 @@ def _as_wire_array(value, what):
     raise ValueError(f"{what}: unsupported dtype {a.dtype} (allowed: {sorted(DTYPES)})")
   if a.dtype.byteorder == ">":
     a = a.astype(a.dtype.newbyteorder("<"))
+  shape = list(a.shape)  # before ascontiguousarray, which turns 0-d into 1-d
   a = np.ascontiguousarray(a)
-  spec = {"dtype": a.dtype.name, "shape": list(a.shape), "nbytes": a.nbytes}
+  spec = {"dtype": a.dtype.name, "shape": shape, "nbytes": a.nbytes}
   return spec, a.reshape(-1).view(np.uint8)
 
 
@@ -592,13 +598,12 @@ class Server:
           self._dispatch(conn, mtype, header, plen, deadline)
         except _Refused as e:
           self._reply_error(conn, e.code, str(e))
-        except ProtocolError as e:
-          log.info("closing %s: %s", addr, e)
-          self._reply_error(conn, "protocol", str(e))
+        except _Idle:
           return
-        except (TimeoutError, _Truncated) as e:
+        except (ProtocolError, TimeoutError, _Truncated) as e:
           log.info("closing %s: %s", addr, e)
           self._reply_error(conn, "timeout" if isinstance(e, TimeoutError) else "protocol", str(e))
+          _linger_close(conn)
           return
     except OSError as e:  # peer reset etc.
       log.info("connection %s: %s", addr, e)
@@ -921,6 +926,22 @@ class Server:
       log.error("ignoring unreadable %s: %s", path, e)
 
 
+def _linger_close(conn, max_bytes=1 << 20, max_s=0.2):
+  """Half-closes, then discards a bounded amount of unread input: closing with unread bytes would make the
+  kernel send RST, which destroys the error reply before the peer reads it."""
+  try:
+    conn.shutdown(socket.SHUT_WR)
+    end, left = time.monotonic() + max_s, max_bytes
+    while left > 0 and time.monotonic() < end:
+      conn.settimeout(max(end - time.monotonic(), 1e-3))
+      k = len(conn.recv(min(left, 65536)))
+      if k == 0:
+        break
+      left -= k
+  except OSError:
+    pass
+
+
 def _send_frame_raw(conn, head, buf, deadline):
   """Sends a prebuilt prefix+header then buf in 8 MiB memoryview slices (no copies)."""
   mv = memoryview(buf).cast("B")
@@ -1009,6 +1030,8 @@ class Client:
         if attempt:
           time.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * (0.5 + random.random()))
         try:
+          if self._sock is not None and select.select([self._sock], [], [], 0)[0]:
+            self._drop()  # readable between requests = the server closed it (idle timeout, restart)
           if self._sock is None:
             self._sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -1,0 +1,489 @@
+"""Tests for param_server.py: protocol, weights, leased queues, robustness, persistence across kill -9."""
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import param_server as ps
+
+TOKEN = "s3cret"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_server(**kw):
+  cfg = dict(token=TOKEN, header_timeout_s=0.5, idle_timeout_s=3.0, min_rate_mb_s=20.0, max_wait_s=5.0)
+  cfg.update(kw)
+  return ps.Server(ps.ServerConfig(**cfg)).start()
+
+
+@pytest.fixture
+def server():
+  s = make_server()
+  yield s
+  s.stop()
+
+
+def client(srv, token=TOKEN, **kw):
+  return ps.Client(port=srv.port, token=token, timeout_s=5.0, **kw)
+
+
+def frame(mtype, header, payload=b"", magic=ps.MAGIC, version=ps.PROTOCOL_VERSION, hlen=None, plen=None):
+  hb = json.dumps(header).encode()
+  return ps.PREFIX.pack(magic, version, mtype, len(hb) if hlen is None else hlen,
+                        len(payload) if plen is None else plen) + hb + payload
+
+
+def raw_exchange(srv, data, shut_wr=False, timeout=5.0):
+  """Sends raw bytes; returns (error reply header or None, whether the server closed the connection)."""
+  s = socket.create_connection(("127.0.0.1", srv.port), timeout=timeout)
+  s.sendall(data)
+  if shut_wr:
+    s.shutdown(socket.SHUT_WR)
+  buf = b""
+  try:
+    while True:
+      k = s.recv(65536)
+      if not k:
+        break
+      buf += k
+  except socket.timeout:
+    s.close()
+    return None, False
+  s.close()
+  if len(buf) < ps.PREFIX.size:
+    return None, True
+  magic, ver, mtype, hl, pl = ps.PREFIX.unpack_from(buf)
+  assert magic == ps.MAGIC and mtype == ps.ERROR, (magic, mtype)
+  return json.loads(buf[ps.PREFIX.size:ps.PREFIX.size + hl]), True
+
+
+def weights(v, n=4, size=1 << 18):
+  """n float32 tensors whose every element equals the version: a mixed read would show two values."""
+  return {f"layers/{i}/w": np.full(size, v, np.float32) for i in range(n)}
+
+
+def later(delay_s, fn):
+  """Runs fn in a thread after delay_s; join() the result so the test never outlives it."""
+  t = threading.Timer(delay_s, fn)
+  t.start()
+  return t
+
+
+def assert_served(srv):
+  c = client(srv)
+  assert c.stats()["latest_version"] >= -1
+  c.close()
+
+
+# ----------------------------------------------------------------------------------------------- weights
+
+
+def test_round_trip_dtypes_bf16_and_versions(server):
+  c = client(server)
+  assert c.pull() is None and c.latest_version() == -1
+  w = {"a/bf16": (np.arange(12, dtype=np.float32) / 7).reshape(3, 4).astype(ml_dtypes.bfloat16),
+       "b/f32": np.random.rand(5, 2).astype(np.float32), "c/i32": np.arange(7, dtype=np.int32),
+       "d/empty": np.zeros((0, 3), np.float16), "e/scalar": np.array(3.5), "f/bool": np.array([True, False]),
+       "g/bigendian": np.arange(4, dtype=">i8"), "h/strided": np.arange(20.0)[::2]}
+  c.push(0, w)
+  v, got = c.pull()
+  assert v == 0 and list(got) == list(w)
+  for k in w:
+    assert got[k].shape == w[k].shape and np.array_equal(got[k], w[k]), k
+  assert got["a/bf16"].dtype == ml_dtypes.bfloat16
+  assert c.pull(newer_than=0) is None
+  for v in (1, 2, 3):
+    c.push(v, weights(v, n=1, size=8))
+  assert c.latest_version() == 3 and c.stats()["versions"] == [2, 3]  # max_versions=2
+  assert c.pull(version=2)[0] == 2 and c.pull(version=0) is None
+  with pytest.raises(ValueError, match="versions must increase"):
+    c.push(3, weights(9, n=1, size=8))
+  c.push(3, weights(3, n=1, size=8))  # the same version + digest again: a retried push, accepted as a no-op
+  assert c.pull()[1]["layers/0/w"][0] == 3
+
+
+def test_pull_returns_at_once_or_waits(server):
+  c = client(server)
+  t0 = time.monotonic()
+  assert c.pull(newer_than=5) is None
+  assert time.monotonic() - t0 < 0.5
+  t0 = time.monotonic()
+  assert c.pull(wait_s=0.3) is None
+  assert 0.25 < time.monotonic() - t0 < 2.0
+  t = later(0.3, lambda: client(server).push(7, weights(7, n=1, size=16)))
+  t0 = time.monotonic()
+  v, w = c.pull(newer_than=-1, wait_s=4.0)
+  assert v == 7 and 0.2 < time.monotonic() - t0 < 3.0
+  t.join()
+
+
+def test_push_needs_token(server):
+  with pytest.raises(PermissionError):
+    client(server, token=None).push(0, weights(0))  # refused client-side already
+  bad = client(server, token="wrong")
+  with pytest.raises(PermissionError, match="wrong token"):
+    bad.push(0, weights(0))
+  for op in (lambda: bad.put("q", [{"id": "a"}]), lambda: bad.get("q", 1), lambda: bad.ack("q", ["a"]),
+             lambda: bad.requeue("q")):
+    with pytest.raises(PermissionError):
+      op()
+  assert bad.latest_version() == -1  # the connection survived the refusals (payloads were drained)
+  # A raw push frame with no token at all is refused by the server, which then still serves the connection.
+  specs = [{"name": "x", "dtype": "uint8", "shape": [4], "nbytes": 4, "crc": zlib.crc32(b"abcd")}]
+  s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+  s.sendall(frame(ps.PUSH, {"version": 0, "tensors": specs, "digest": ps._digest(0, specs)}, b"abcd")
+            + frame(ps.LATEST, {}))
+  f = s.makefile("rb")
+  for want_type, key in ((ps.ERROR, "error"), (ps.OK, "version")):
+    _, _, mtype, hl, pl = ps.PREFIX.unpack(f.read(ps.PREFIX.size))
+    h = json.loads(f.read(hl))
+    assert mtype == want_type and key in h, h
+  s.close()
+  assert client(server).latest_version() == -1
+  nokey = make_server(token=None)
+  with pytest.raises(PermissionError, match="no token configured"):
+    client(nokey).push(0, weights(0))
+  nokey.stop()
+
+
+def test_server_rejects_bad_crc_and_client_verifies(server):
+  specs = [{"name": "x", "dtype": "uint8", "shape": [4], "nbytes": 4, "crc": 123}]
+  h, closed = raw_exchange(server, frame(ps.PUSH, {"version": 0, "tensors": specs, "digest": ps._digest(0, specs),
+                                                   "token": TOKEN}, b"abcd"), shut_wr=True)
+  assert h["code"] == "checksum"
+  c = client(server)
+  assert c.latest_version() == -1
+  c.push(0, weights(0, n=2, size=1 << 20))
+  server._versions[-1].buf[12345] ^= 0xFF  # corrupt the stored bytes behind the server's back
+  with pytest.raises(ps.ChecksumError, match="layers/0/w"):
+    c.pull()
+
+
+def test_concurrent_pullers_during_pushes_never_see_mixed_versions(server):
+  pusher, stop, errors, seen = client(server), threading.Event(), [], []
+  pusher.push(0, weights(0))
+
+  def puller():
+    c, last = client(server), -1
+    try:
+      while not stop.is_set():
+        r = c.pull(newer_than=last, wait_s=0.5)
+        if r is None:
+          continue
+        v, w = r
+        assert v > last
+        for name, a in w.items():
+          assert a.min() == a.max() == v, (name, v, a.min(), a.max())
+        last = v
+        seen.append(v)
+    except Exception as e:  # surfaced below
+      errors.append(e)
+
+  threads = [threading.Thread(target=puller) for _ in range(6)]
+  for t in threads:
+    t.start()
+  for v in range(1, 13):
+    pusher.push(v, weights(v))
+  time.sleep(0.3)
+  stop.set()
+  for t in threads:
+    t.join()
+  assert not errors, errors
+  assert len(seen) >= 12 and max(seen) == 12  # every puller reached the last version
+
+
+# ----------------------------------------------------------------------------------------------- robustness
+
+
+@pytest.mark.parametrize("name,data,code", [
+    ("random bytes", bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)), "protocol"),
+    ("wrong magic", frame(ps.STATS, {}, magic=b"HTTP"), "protocol"),
+    ("wrong version", frame(ps.STATS, {}, version=99), "protocol"),
+    ("unknown type", frame(42, {}), "protocol"),
+    ("bad json", ps.PREFIX.pack(ps.MAGIC, 1, ps.STATS, 5, 0) + b"{nope", "protocol"),
+    ("header too long", frame(ps.STATS, {}, hlen=1 << 31), "protocol"),
+    ("payload too long", frame(ps.PUSH, {"token": TOKEN}, plen=1 << 62), "protocol"),
+    ("payload on a read", frame(ps.STATS, {}, plen=10), "protocol"),
+    ("truncated frame", frame(ps.STATS, {"x": 1})[:-3], "protocol"),
+    ("truncated payload", frame(ps.PUT, {"token": TOKEN, "queue": "q", "items": [
+        {"id": "a", "json": {}, "arrays": {"t": {"dtype": "int8", "shape": [8], "nbytes": 8}}}]},
+        b"1234", plen=8), "protocol"),
+])
+def test_bad_frames_get_error_and_close(server, name, data, code):
+  h, closed = raw_exchange(server, data, shut_wr=True)
+  assert closed and h is not None and h["code"] == code, (name, h)
+  assert_served(server)
+
+
+def test_bad_request_fields_are_errors_not_crashes(server):
+  c = client(server)
+  with pytest.raises(ValueError, match="bad queue name"):
+    c.get("no spaces!", 1)
+  with pytest.raises(ValueError, match="max_items"):
+    c.get("q", 0)
+  with pytest.raises(ValueError, match="field 'obj'"):
+    c.put("q", [{"id": "a", "obj": object()}])
+  with pytest.raises(ValueError, match="'id'"):
+    c.put("q", [{"tokens": np.arange(3)}])
+  specs = [{"name": "x", "dtype": "complex128", "shape": [1], "nbytes": 16, "crc": 0}]
+  h, _ = raw_exchange(server, frame(ps.PUSH, {"version": 0, "tensors": specs, "token": TOKEN}, bytes(16)),
+                      shut_wr=True)
+  assert h["code"] == "bad_request" and "complex128" in h["error"]
+  assert c.stats()["latest_version"] == -1
+
+
+def test_half_open_and_idle_clients_time_out_while_others_are_served():
+  srv = make_server(idle_timeout_s=1.0)
+  try:
+    half = socket.create_connection(("127.0.0.1", srv.port))
+    half.sendall(frame(ps.STATS, {})[:7])  # a partial prefix, then silence
+    idle = socket.create_connection(("127.0.0.1", srv.port))  # says nothing at all
+    t0 = time.monotonic()
+    c = client(srv)
+    for _ in range(5):
+      assert c.latest_version() == -1  # others are served meanwhile
+    half.settimeout(5)
+    assert half.recv(65536)[:4] == ps.MAGIC  # an error frame ("timed out"), then EOF
+    assert 0.3 < time.monotonic() - t0 < 3.0
+    while half.recv(65536):
+      pass
+    idle.settimeout(5)
+    assert idle.recv(65536) == b"" and 0.8 < time.monotonic() - t0 < 4.0  # nothing to answer: closed
+    deadline = time.monotonic() + 3
+    while c.stats()["clients"] != 1 and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert c.stats()["clients"] == 1  # both dead connections were freed
+    time.sleep(1.2)  # now c's own connection idles out; its next call reconnects transparently
+    assert c.latest_version() == -1
+  finally:
+    srv.stop()
+
+
+def test_slowloris_upload_times_out_while_another_client_pulls():
+  srv = make_server(min_rate_mb_s=1.0)  # deadline for 1 MB: 0.5 s + 1 s
+  try:
+    c = client(srv)
+    c.push(0, weights(0, n=1, size=16))
+    n = 1 << 20
+    specs = [{"name": "x", "dtype": "uint8", "shape": [n], "nbytes": n, "crc": 0}]
+    slow = socket.create_connection(("127.0.0.1", srv.port))
+    slow.sendall(frame(ps.PUSH, {"version": 1, "tensors": specs, "digest": ps._digest(1, specs), "token": TOKEN},
+                       b"", plen=n))
+    t0, closed = time.monotonic(), False
+    slow.settimeout(0.1)
+    while time.monotonic() - t0 < 5:
+      try:
+        slow.sendall(b"x" * 100)  # progress every 0.1 s, far below the minimum rate
+      except OSError:
+        closed = True
+        break
+      try:
+        slow.recv(65536)  # returns only once the server answered (a "timed out" error frame) or closed
+        closed = True
+        break
+      except socket.timeout:
+        pass
+      assert c.pull()[0] == 0  # another client is served while the slow upload holds the push lock
+    elapsed = time.monotonic() - t0
+    assert closed and 1.0 < elapsed < 4.0, elapsed
+    assert c.latest_version() == 0
+    c.push(1, weights(1, n=1, size=16))  # the push lock was released
+    assert c.latest_version() == 1
+  finally:
+    srv.stop()
+
+
+def test_slow_reader_times_out_and_is_freed():
+  srv = make_server(min_rate_mb_s=100.0)  # 32 MiB must leave within 0.5 s + 0.34 s
+  try:
+    c = client(srv)
+    c.push(0, {"w": np.ones(8 << 20, np.float32)})
+    lazy = socket.create_connection(("127.0.0.1", srv.port))
+    lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    lazy.sendall(frame(ps.PULL, {"newer_than": -1}))  # ...and never reads the reply
+    t0 = time.monotonic()
+    while c.stats()["clients"] > 1 and time.monotonic() - t0 < 5:
+      assert c.latest_version() == 0
+      time.sleep(0.05)
+    assert c.stats()["clients"] == 1 and time.monotonic() - t0 < 4
+    lazy.close()
+    assert c.pull()[1]["w"].sum() == 8 << 20
+  finally:
+    srv.stop()
+
+
+def test_max_clients_busy():
+  srv = make_server(max_clients=2)
+  try:
+    a, b = client(srv), client(srv)
+    a.stats(), b.stats()
+    with pytest.raises(ConnectionError, match="busy"):
+      client(srv, retries=1, backoff_s=0.01).stats()
+    a.close()
+    time.sleep(0.1)
+    assert client(srv).latest_version() == -1
+  finally:
+    srv.stop()
+
+
+def test_client_gives_up_with_connection_error():
+  s = socket.socket()
+  s.bind(("127.0.0.1", 0))
+  port = s.getsockname()[1]
+  s.close()  # nothing listens there
+  c = ps.Client(port=port, retries=3, backoff_s=0.01, timeout_s=1.0)
+  t0 = time.monotonic()
+  with pytest.raises(ConnectionError, match="unreachable after 4 attempts"):
+    c.latest_version()
+  assert time.monotonic() - t0 < 2.0
+
+
+# ----------------------------------------------------------------------------------------------- queues
+
+
+def rollout(i, version=0):
+  return {"id": f"r{i}", "prompt_id": f"p{i // 2}", "policy_version": version, "reward": [1.0, 0.0],
+          "tokens": [np.arange(i + 3, dtype=np.int32), np.arange(2, dtype=np.int32)],
+          "logprobs": np.full((2, 4), -0.5, np.float32)}
+
+
+def test_put_get_ack_idempotent(server):
+  c = client(server)
+  assert c.get("rollouts", 5) == []
+  assert c.put("rollouts", [rollout(i) for i in range(4)]) == {"accepted": 4, "duplicates": []}
+  assert c.put("rollouts", [rollout(1), rollout(4)]) == {"accepted": 1, "duplicates": ["r1"]}  # ready dup
+  got = c.get("rollouts", 2)
+  assert [g["id"] for g in got] == ["r0", "r1"]
+  g = got[1]
+  assert g["prompt_id"] == "p0" and g["reward"] == [1.0, 0.0] and g["policy_version"] == 0
+  assert np.array_equal(g["tokens"][0], np.arange(4)) and g["tokens"][0].dtype == np.int32
+  assert g["logprobs"].shape == (2, 4) and np.all(g["logprobs"] == -0.5)
+  assert c.put("rollouts", [rollout(0)])["duplicates"] == ["r0"]  # leased dup
+  assert c.ack("rollouts", ["r0", "nope"]) == {"acked": 1, "unknown": ["nope"]}
+  assert c.put("rollouts", [rollout(0)])["duplicates"] == ["r0"]  # acked dup: never again
+  st = c.stats()["queues"]["rollouts"]
+  assert (st["ready"], st["leased"], st["acked"]) == (3, 1, 1)
+  assert [g["id"] for g in c.get("rollouts", 10)] == ["r2", "r3", "r4"]
+
+
+def test_lease_expiry_reissues_and_requeue(server):
+  c = client(server)
+  c.put("prompts", [{"id": f"p{i}", "text": f"{i}+1="} for i in range(3)])
+  first = c.get("prompts", 2, lease_s=0.3)  # a worker leases two prompts and dies
+  assert [x["id"] for x in first] == ["p0", "p1"]
+  assert [x["id"] for x in c.get("prompts", 5)] == ["p2"]
+  assert c.get("prompts", 5) == []
+  time.sleep(0.4)
+  again = c.get("prompts", 5, lease_s=60)
+  assert sorted(x["id"] for x in again) == ["p0", "p1"] and again[0]["text"] in ("0+1=", "1+1=")
+  assert c.requeue("prompts") == 3  # p0, p1 (60 s leases) and p2: all released at once
+  assert sorted(x["id"] for x in c.get("prompts", 5, wait_s=0.0)) == ["p0", "p1", "p2"]
+
+
+def test_get_waits_for_items(server):
+  c = client(server)
+  t = later(0.3, lambda: client(server).put("q", [{"id": "late"}]))
+  t0 = time.monotonic()
+  assert [x["id"] for x in c.get("q", 1, wait_s=3.0)] == ["late"]
+  assert 0.2 < time.monotonic() - t0 < 2.0
+  t.join()
+
+
+def test_back_pressure():
+  srv = make_server(max_queue_items=3)
+  try:
+    c = client(srv)
+    with pytest.raises(ps.QueueFullError, match="3 accepted.*2 rejected"):
+      c.put("rollouts", [rollout(i) for i in range(5)])
+    assert c.stats()["queues"]["rollouts"]["ready"] == 3
+    # A blocked put gets through as soon as the consumer acks (room appears within wait_s).
+    t = later(0.3, lambda: client(srv).ack("rollouts", [x["id"] for x in client(srv).get("rollouts", 2)]))
+    t0 = time.monotonic()
+    r = c.put("rollouts", [rollout(i) for i in range(5)], wait_s=3.0)  # retry of the same batch is safe
+    assert r == {"accepted": 2, "duplicates": ["r0", "r1", "r2"]} and 0.2 < time.monotonic() - t0 < 2.5
+    t.join()
+  finally:
+    srv.stop()
+
+
+# ----------------------------------------------------------------------------------------------- persistence
+
+
+def test_restart_in_process_keeps_queues_and_weights(tmp_path):
+  srv = make_server(run_dir=str(tmp_path))
+  c = client(srv)
+  c.push(4, weights(4, n=2, size=1000))
+  c.put("rollouts", [rollout(i) for i in range(4)])
+  c.get("rollouts", 3)
+  c.ack("rollouts", ["r0"])
+  srv.stop()  # stop() flushes the pending weights write
+  with open(tmp_path / "queue-rollouts.log", "ab") as f:
+    f.write(b"\x01garbage-from-a-torn-write")  # a crash mid-append must not break loading
+  srv = make_server(run_dir=str(tmp_path), port=srv.port)
+  try:
+    assert c.latest_version() == 4 and c.pull()[1]["layers/1/w"][999] == 4
+    got = c.get("rollouts", 10)
+    assert [x["id"] for x in got] == ["r1", "r2", "r3"]  # leases expired by the restart, acked r0 gone
+    assert np.array_equal(got[0]["tokens"][0], np.arange(4))
+    assert c.put("rollouts", [rollout(0)])["duplicates"] == ["r0"]
+  finally:
+    srv.stop()
+
+
+def start_proc(tmp_path, port=0):
+  port_file = tmp_path / "port"
+  if port_file.exists():
+    port_file.unlink()
+  p = subprocess.Popen([sys.executable, os.path.join(ROOT, "param_server.py"), f"--port={port}",
+                        f"--port_file={port_file}", f"--token_file={tmp_path / 'token'}",
+                        f"--run_dir={tmp_path / 'run'}", "--header_timeout_s=2"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  t0 = time.monotonic()
+  while not port_file.exists():
+    assert p.poll() is None and time.monotonic() - t0 < 30, "server process did not start"
+    time.sleep(0.05)
+  return p, int(port_file.read_text())
+
+
+def test_exactly_once_across_kill_9(tmp_path):
+  p, port = start_proc(tmp_path)
+  try:
+    token = ps.read_token(tmp_path / "token")  # created by the server on first start
+    c = ps.Client(port=port, token=token, timeout_s=5.0, retries=40, backoff_s=0.05, max_backoff_s=0.3)
+    c.push(1, weights(1, n=2, size=1000))
+    c.put("rollouts", [rollout(i) for i in range(6)])
+    leased = c.get("rollouts", 4)  # the trainer leases r0..r3, commits r0 and r1, then everything dies
+    c.ack("rollouts", [x["id"] for x in leased[:2]])
+    t0 = time.monotonic()
+    while not (tmp_path / "run" / "weights.bin").exists():
+      assert time.monotonic() - t0 < 10
+      time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    restarted = []
+
+    def restart():
+      time.sleep(0.5)
+      restarted.append(start_proc(tmp_path, port)[0])
+
+    threading.Thread(target=restart).start()
+    c.requeue("rollouts")  # the restarted trainer's first call: blocks until the server is back
+    got = c.get("rollouts", 10)
+    assert sorted(x["id"] for x in got) == ["r2", "r3", "r4", "r5"]  # unacked redelivered, acked never
+    assert c.pull()[0] == 1  # the newest weights survived too
+    c.ack("rollouts", [x["id"] for x in got])
+    assert c.get("rollouts", 10) == [] and c.put("rollouts", [rollout(0)])["accepted"] == 0
+    restarted[0].send_signal(signal.SIGTERM)
+    assert restarted[0].wait(timeout=10) == 0
+  finally:
+    p.kill()
