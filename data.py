@@ -101,6 +101,7 @@ import os
 import random
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -758,8 +759,9 @@ def run_code(code: str, tests, limits: SandboxLimits = SandboxLimits()) -> CodeR
     work = os.path.join(root, "work")
     os.mkdir(work, 0o700)
     nonce = secrets.token_hex(16)
+    # stdout/stderr go to files so RLIMIT_FSIZE kills a flood at once (a pipe could fill, /dev/null never would).
     with open(os.path.join(root, "result"), "w+b") as res, open(os.path.join(root, "stderr"), "w+b") as err, \
-        tempfile.TemporaryFile(dir=root) as spec_f:
+        open(os.path.join(root, "stdout"), "wb") as out, tempfile.TemporaryFile(dir=root) as spec_f:
       spec = {"nonce": nonce, "code": code, "tests": tests, "result_fd": res.fileno(), "ppid": os.getpid(),
               "limits": dataclasses.asdict(limits)}
       spec_f.write(json.dumps(spec).encode())
@@ -767,7 +769,7 @@ def run_code(code: str, tests, limits: SandboxLimits = SandboxLimits()) -> CodeR
       env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "PYTHONHASHSEED": "0",
              "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
       proc = subprocess.Popen([sys.executable, "-I", "-c", _RUNNER], cwd=work, stdin=spec_f,
-                              stdout=subprocess.DEVNULL, stderr=err, env=env, close_fds=True,
+                              stdout=out, stderr=err, env=env, close_fds=True,
                               pass_fds=(res.fileno(),), start_new_session=True)
       try:
         rc = proc.wait(timeout=limits.wall_s)
@@ -799,9 +801,11 @@ def verify(problem: Problem, completion: str, limits: SandboxLimits = SandboxLim
   raise ValueError(f"verify: problem {problem.id!r} has unknown task {problem.task!r}")
 
 
-def _pool_worker(conn, limits):
+def _pool_worker(conn, limits, tmp_dir):
   # Runs in a spawned process: scores jobs until the pipe closes. Exceptions score 0 and are reported.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+  tempfile.tempdir = tmp_dir  # sandbox dirs of a killed worker are then removed by the pool
+  conn.send(("ready", None, None))  # startup (imports) must not count against the first call's timeout
   while True:
     try:
       idx, problem, completion = conn.recv()
@@ -822,30 +826,49 @@ class VerifierPool:
     if max_workers < 0 or timeout_s <= 0:
       raise ValueError(f"VerifierPool: need max_workers >= 0 and timeout_s > 0, got {max_workers}, {timeout_s}")
     self.max_workers, self.timeout_s, self.limits = max_workers, timeout_s, limits
+    self.startup_timeout_s = 120.0
     self._ctx = multiprocessing.get_context("spawn")  # fork after JAX/threads is unsafe
+    self._tmp = tempfile.mkdtemp(prefix="rlax-verifier-") if max_workers else None
+    self._spawned = 0
     self._workers = []  # [process, connection]
     self.timeouts = self.crashes = self.errors = 0
     self.last_error = None
 
   def _spawn(self):
     parent, child = self._ctx.Pipe()
-    proc = self._ctx.Process(target=_pool_worker, args=(child, self.limits), daemon=True)
+    tmp_dir = os.path.join(self._tmp, f"w{self._spawned}")
+    os.mkdir(tmp_dir)
+    self._spawned += 1
+    proc = self._ctx.Process(target=_pool_worker, args=(child, self.limits, tmp_dir), daemon=True)
     proc.start()
     child.close()
-    return [proc, parent]
+    return [proc, parent, tmp_dir]
+
+  def _await_ready(self, workers):
+    for w in workers:
+      try:
+        ok = w[1].poll(self.startup_timeout_s) and w[1].recv()[0] == "ready"
+      except (EOFError, OSError):
+        ok = False
+      if not ok:
+        raise RuntimeError(f"VerifierPool: a worker failed to start within {self.startup_timeout_s}s "
+                           f"(exit code {w[0].exitcode}); see its traceback above")
+    return workers
 
   def _kill(self, w):
+    # Its sandbox child (if any) dies with it through PR_SET_PDEATHSIG; its temp dirs go here.
     w[0].kill()
     w[0].join()
     w[1].close()
+    shutil.rmtree(w[2], ignore_errors=True)
 
   def score(self, problems, completions) -> list:
     if len(problems) != len(completions):
       raise ValueError(f"VerifierPool.score: {len(problems)} problems but {len(completions)} completions")
     if self.max_workers == 0:
       return [verify(p, c, self.limits) for p, c in zip(problems, completions)]
-    while len(self._workers) < self.max_workers:
-      self._workers.append(self._spawn())
+    if not self._workers:
+      self._workers = self._await_ready([self._spawn() for _ in range(self.max_workers)])
     scores, pending, free = [0.0] * len(problems), deque(range(len(problems))), list(self._workers)
     busy = {}  # connection -> (worker, index, start time)
     while pending or busy:
@@ -875,7 +898,7 @@ class VerifierPool:
 
   def _replace(self, w):
     self._kill(w)
-    new = self._spawn()
+    new = self._await_ready([self._spawn()])[0]
     self._workers[self._workers.index(w)] = new
     return new
 
@@ -883,6 +906,8 @@ class VerifierPool:
     for w in self._workers:
       self._kill(w)
     self._workers = []
+    if self._tmp:
+      shutil.rmtree(self._tmp, ignore_errors=True)
 
   def __enter__(self):
     return self

@@ -336,6 +336,17 @@ def test_code_no_network():
 
 # --------------------------------------------------------------------------------------------- verifier pool
 
+def _procs_with_cwd_under(folder):
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      if os.readlink(f"/proc/{pid}/cwd").startswith(folder):
+        found.append(pid)
+    except OSError:
+      pass
+  return found
+
+
 def test_verifier_pool_scores_and_survives_timeouts():
   probs = data.make_task_problems("arithmetic", 3, difficulty=2, seed=0)
   slow = Problem("slow", "?", "", "code", (("", "never"),))
@@ -346,6 +357,11 @@ def test_verifier_pool_scores_and_survives_timeouts():
     assert scores[:3] == [1.0, 1.0, 1.0] and scores[3] == 0.0
     assert scores[4:] == [float(p.answer == c) for p, c in zip(probs, ["0", "1", "2"])]
     assert pool.timeouts == 1 and elapsed < 20, elapsed
+    # The killed worker's sandboxed child died with it (PR_SET_PDEATHSIG) and its temp dirs are gone.
+    time.sleep(0.5)
+    assert not _procs_with_cwd_under(pool._tmp)
+    left = sorted(os.listdir(pool._tmp))
+    assert len(left) == 2 and "w2" in left, left
     assert pool.score(probs, [p.answer for p in probs]) == [1.0, 1.0, 1.0]  # the replaced worker works
     with pytest.raises(ValueError, match="completions"):
       pool.score(probs, [])
