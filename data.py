@@ -1103,13 +1103,27 @@ def pack(prompt_ids_list, completion_ids_list, seq_len: int, pad_id: int = 0, nu
 
 
 if __name__ == "__main__":
+  # Prints sample problems and the figures quoted in the README (timings depend on the machine's load).
   with tempfile.TemporaryDirectory() as d:
     for task in ("arithmetic", "countdown"):
+      t0 = time.perf_counter()
       tok = load_tokenizer(build_task_tokenizer(d, task))
-      probs = make_task_problems(task, 3, difficulty=3, seed=0)
-      print(f"{task}: vocab {tok.vocab_size}")
-      for p in probs:
+      print(f"{task}: tokenizer built in {time.perf_counter() - t0:.2f}s, vocab {tok.vocab_size}")
+      for p in make_task_problems(task, 3, difficulty=3, seed=0):
         print(f"  {p.id}  {p.prompt!r} -> {p.answer!r}  pieces {tok.pieces(p.prompt + p.answer)}  "
               f"verify(answer) = {verify(p, p.answer)}")
-  r = run_code("print(input())", [("hi\n", "hi\n")])
-  print(f"sandbox: {r.sandbox}  echo test passed={r.passed} ({r.reason})")
+  t0 = time.perf_counter()
+  results = [run_code("print(input())", [("hi\n", "hi\n")]) for _ in range(5)]
+  print(f"sandbox: {results[0].sandbox}  echo test passed={all(r.passed for r in results)}  "
+        f"{(time.perf_counter() - t0) / 5 * 1000:.0f} ms per run_code")
+  probs = make_task_problems("arithmetic", 2000, difficulty=3, seed=0)
+  for task, ps in (("arithmetic", probs), ("countdown", make_task_problems("countdown", 2000, difficulty=4))):
+    t0 = time.perf_counter()
+    ok = all(verify(p, p.answer) == 1.0 for p in ps)
+    print(f"inline verify: {len(ps) / (time.perf_counter() - t0):.0f} {task} verifications/s, all correct={ok}")
+  with VerifierPool(max_workers=2) as pool:
+    pool.score(probs[:2], ["0", "0"])  # start the workers
+    t0 = time.perf_counter()
+    scores = pool.score(probs, [p.answer for p in probs])
+    print(f"VerifierPool(2): {len(probs) / (time.perf_counter() - t0):.0f} arithmetic verifications/s, "
+          f"all correct={sum(scores) == len(probs)}")
