@@ -270,8 +270,10 @@ class PromptStream:
                         ("fingerprint", self._fingerprint)):
       if d.get(field) != mine:
         raise ValueError(f"PromptStream.load_state_dict: field {field!r} is {d.get(field)!r}, this stream has {mine!r}")
-    if not 0 <= d["cursor"] <= len(self.problems):
-      raise ValueError(f"PromptStream.load_state_dict: cursor {d['cursor']!r} out of range")
+    for field, hi in (("epoch", None), ("cursor", len(self.problems))):
+      v = d.get(field)
+      if not isinstance(v, int) or v < 0 or (hi is not None and v > hi):
+        raise ValueError(f"PromptStream.load_state_dict: field {field!r} is {v!r}, expected an int in [0, {hi or 'inf'}]")
     self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
     self._order = self._permutation(self.epoch)
 
@@ -508,7 +510,8 @@ def _countdown_value(node, pool):
 
 def _verify_countdown(prompt: str, completion: str) -> float:
   m = re.fullmatch(r"([\d ]+) -> (\d+):", prompt)
-  assert m, f"countdown prompt not in the built-in format: {prompt!r}"
+  if not m:
+    raise ValueError(f"countdown prompt {prompt!r} is not in the built-in format 'N N N -> TARGET:'")
   numbers, target = [int(x) for x in m.group(1).split()], int(m.group(2))
   expr = completion.strip()
   if "=" in expr:  # "3*5+7=22" is fine when the stated result is the target
@@ -688,8 +691,11 @@ def _main():
       return rp.startswith(work_sep) or (read and (rp.startswith(prefixes) or rp == "/dev/null/"))
     def hook(event, args):
       if event == "open":
-        mode = args[1] if len(args) > 1 and isinstance_(args[1], str_) else "r"
-        if not inside(args[0], read=("r" in mode and "+" not in mode) or args[1] is None):
+        if isinstance_(args[1], str_):  # open()/io.open_code: a mode string
+          read_only = "r" in args[1] and "+" not in args[1]
+        else:  # os.open: flags; read-only means O_RDONLY without O_CREAT/O_TRUNC
+          read_only = (args[2] & 3) == 0 and not args[2] & (os.O_CREAT | os.O_TRUNC)
+        if not inside(args[0], read=read_only):
           raise PermissionError(f"sandbox: open({args[0]!r}) outside the work dir")
       elif event in path_events:
         for a in args[:2]:

@@ -166,6 +166,8 @@ def test_prompt_stream_epochs_and_exact_resume():
     data.PromptStream(ps[::-1], seed=1).load_state_dict(state)
   with pytest.raises(ValueError, match="'n'"):
     data.PromptStream(ps[:5], seed=1).load_state_dict(state)
+  with pytest.raises(ValueError, match="'cursor'"):
+    data.PromptStream(ps, seed=1).load_state_dict({**state, "cursor": 8})
 
 
 # ------------------------------------------------------------------------------------------ built-in tasks
@@ -309,12 +311,20 @@ def test_code_cannot_read_outside_tmp(tmp_path):
   secret.write_text("s3cret")
   secret.chmod(0o644)
   for path in ("/etc/passwd", str(secret), "../result", "/proc/self/environ"):
-    probe = f"try:\n  open({path!r}).read()\n  print('read it')\nexcept PermissionError:\n  print('ok')"
+    probe = (f"try:\n  open({path!r}).read()\n  print('read it')\n"
+             f"except PermissionError as e:\n  print('ok' if 'sandbox:' in str(e) else e)")  # denied by the hook
     r = run(probe)
     assert r.passed, (path, r)
   assert run(f"import os\ntry:\n  os.listdir('/')\nexcept PermissionError:\n  print('ok')").passed
   assert run(f"import os\ntry:\n  os.symlink('/etc/passwd', 'p')\nexcept PermissionError:\n  print('ok')").passed
   assert run(f"try:\n  open('/tmp/x_from_sandbox', 'w')\nexcept PermissionError:\n  print('ok')").passed
+  # Reads under the Python prefix are allowed (imports need them), writes there are not, whatever the API.
+  prefix_file = os.path.join(sys.base_prefix, "lib", "x_from_sandbox")
+  r = run(f"import os\ntry:\n  os.open({prefix_file!r}, os.O_WRONLY | os.O_CREAT)\n"
+          f"except PermissionError as e:\n  print('ok' if 'sandbox:' in str(e) else e)")  # the hook, not the OS
+  assert r.passed, r
+  assert run("import os\nopen('a', 'w').close()\nos.close(os.open('a', os.O_RDONLY))\nprint('ok')").passed
+  assert not os.path.exists(prefix_file)
 
 
 def test_code_no_network():
