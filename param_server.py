@@ -265,6 +265,12 @@ class _Crc:
     if self._q is not None:
       self._q.put(n)
 
+  def abort(self):
+    """Stops the helper thread without checksumming the rest (the transfer failed)."""
+    if self._thread:
+      self._q.put(None)
+      self._thread.join()
+
   def finish(self):
     if self._thread:
       self._q.put(len(self._mv))
@@ -579,7 +585,8 @@ class Server:
 
   def _reply_error(self, conn, code, msg):
     try:
-      _send_frame(conn, ERROR, {"error": msg, "code": code}, deadline=time.monotonic() + 1.0)
+      # Tiny frame: it fits the socket buffer at once unless the peer stopped reading (then give up fast).
+      _send_frame(conn, ERROR, {"error": msg, "code": code}, deadline=time.monotonic() + 0.5)
     except OSError:
       pass
 
@@ -681,8 +688,10 @@ class Server:
       crc = _Crc(buf, sizes, threaded=plen >= (4 << 20))
       try:
         _recv_into(conn, memoryview(buf), deadline, f"push v{version} payload", crc.feed)
-      finally:
-        crcs = crc.finish()
+      except BaseException:
+        crc.abort()
+        raise
+      crcs = crc.finish()
       for s, c in zip(specs, crcs):
         if s["crc"] != c:
           e = _Refused("checksum", f"push v{version}: tensor {s['name']!r} crc {c} != declared {s['crc']}")
@@ -692,9 +701,10 @@ class Server:
       with self._wcond:
         self._versions = (self._versions + [v])[-self.cfg.max_versions:]
         self._wcond.notify_all()
-    with self._write_cond:
-      self._pending_write = v
-      self._write_cond.notify_all()
+    if self.cfg.run_dir:  # without a writer thread a pending reference would pin an extra version in memory
+      with self._write_cond:
+        self._pending_write = v
+        self._write_cond.notify_all()
     self._ok(conn, {"version": version})
 
   def _pull(self, conn, h, plen, deadline):
@@ -747,8 +757,8 @@ class Server:
       if not isinstance(m, dict) or not isinstance(m.get("id"), str) or not 0 < len(m["id"]) <= 256:
         raise ValueError(f"every item needs a non-empty str id of <= 256 chars, got {m!r:.100}")
       arrays = m.get("arrays", {})
-      if not isinstance(arrays, dict):
-        raise ValueError(f"item {m['id']!r}: arrays must be an object")
+      if not isinstance(arrays, dict) or not isinstance(m.get("json", {}), dict):
+        raise ValueError(f"item {m['id']!r}: 'arrays' and 'json' must be objects")
       specs = [s for v in arrays.values() for s in (v if isinstance(v, list) else [v])]
       n = sum(_check_specs(specs, sum(s.get("nbytes", 0) for s in specs if isinstance(s, dict)),
                            f"item {m['id']!r}"))
@@ -1071,8 +1081,10 @@ class Client:
       crc = _Crc(buf, _check_specs(specs, plen, "pull reply"), threaded=plen >= (4 << 20))
       try:
         _recv_into(self._sock, memoryview(buf), deadline, "weights", crc.feed)
-      finally:
-        crcs = crc.finish()
+      except BaseException:
+        crc.abort()
+        raise
+      crcs = crc.finish()
       for s, c in zip(specs, crcs):
         if s["crc"] != c:
           raise ChecksumError(f"v{h['version']}: tensor {s['name']!r} crc {c} != {s['crc']}")

@@ -304,20 +304,22 @@ def test_slowloris_upload_times_out_while_another_client_pulls():
 
 
 def test_slow_reader_times_out_and_is_freed():
-  srv = make_server(min_rate_mb_s=100.0)  # 32 MiB must leave within 0.5 s + 0.34 s
+  # 64 MiB must leave within 0.5 s + 0.67 s; a long idle timeout shows it is the send deadline that fires.
+  srv = make_server(min_rate_mb_s=100.0, idle_timeout_s=60.0)
   try:
     c = client(srv)
-    c.push(0, {"w": np.ones(8 << 20, np.float32)})
-    lazy = socket.create_connection(("127.0.0.1", srv.port))
-    lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    c.push(0, {"w": np.ones(16 << 20, np.float32)})
+    lazy = socket.socket()
+    lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # before connect: no window autotuning
+    lazy.connect(("127.0.0.1", srv.port))
     lazy.sendall(frame(ps.PULL, {"newer_than": -1}))  # ...and never reads the reply
     t0 = time.monotonic()
-    while c.stats()["clients"] > 1 and time.monotonic() - t0 < 5:
-      assert c.latest_version() == 0
+    while c.stats()["clients"] > 1 and time.monotonic() - t0 < 15:
+      assert c.latest_version() == 0  # served meanwhile
       time.sleep(0.05)
-    assert c.stats()["clients"] == 1 and time.monotonic() - t0 < 4
+    assert c.stats()["clients"] == 1 and time.monotonic() - t0 < 10
     lazy.close()
-    assert c.pull()[1]["w"].sum() == 8 << 20
+    assert c.pull()[1]["w"].sum() == 16 << 20
   finally:
     srv.stop()
 
