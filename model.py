@@ -1,0 +1,733 @@
+"""model.py: a hand-written JAX decoder-only transformer that loads and saves real Hugging Face checkpoints.
+
+Families: Qwen2 / Qwen2.5 / QwQ (QKV bias), Qwen3 (q/k RMSNorm, no bias), Llama (no bias; Llama-3 rope scaling).
+All are the same block: pre-RMSNorm, GQA attention with RoPE (HF "rotate_half" layout), SwiGLU MLP.
+
+Dimension legend (einsums and shape comments):
+  B batch   T query len   S key / cache len   D d_model   F ffw dim   N q heads   K kv heads   H head dim
+  V vocab   L layers
+
+Design choices
+  * Params are a plain nested dict of arrays. Per-layer weights are stacked along a leading L axis and the
+    forward is one `jax.lax.scan` over layers, so compile time does not grow with depth. Layout:
+      embed [V,D]; final_norm [D]; lm_head [D,V] (absent when tie_embeddings: logits use embed.T);
+      layers: attn_norm [L,D], wq [L,D,N,H], wk/wv [L,D,K,H], wo [L,N,H,D], (bq [L,N,H], bk/bv [L,K,H] when
+      qkv_bias), (q_norm/k_norm [L,H] when qk_norm), mlp_norm [L,D], w_gate/w_up [L,D,F], w_down [L,F,D].
+  * One code path: training forward, prefill and decode all run the same `_block`; they differ only in the
+    attention callback (full causal/segment attention vs. one query against the KV cache). So the trainer's
+    recomputed log-probs and the rollout worker's log-probs come from the same math.
+  * Attention goes through `kernels.attention` / `kernels.decode_attention` (jnp reference on CPU, Pallas on TPU).
+  * Precision policy. Params may be fp32 or bf16. Every matmul takes its inputs in the param dtype and
+    accumulates/returns fp32 (`preferred_element_type`). The residual stream, RMSNorm, RoPE, SiLU and the final
+    logits are fp32; q/k/v and the attention output are cast to the param dtype (the kernels softmax in fp32).
+    In fp32 this is exactly the HF math. On TPU set `jax_default_matmul_precision=highest` for fp32 parity.
+  * Sharding. A logical-axis -> mesh-axis table (`LOGICAL_RULES`) over a ("data","fsdp","tensor") mesh:
+    batch->(data,fsdp), embed->fsdp, heads/kv_heads/ffw/vocab->tensor, everything else replicated. Params are
+    placed by `shard_params`; activations are constrained with `with_sharding_constraint` by the same table
+    whenever a mesh is set with `jax.set_mesh(mesh)` (no mesh set: no constraints, runs on one device).
+    Fallback rule: for each dim, the mesh axes of its rule are kept only while the dim size is divisible by
+    their product (axes are dropped from the end: batch 2 on data=2,fsdp=4 -> data only), and a mesh axis is
+    used at most once per array (first dim wins). E.g. 1x1x8 with K=2 kv heads: wk/wv/k/v/cache replicate K.
+    `make_mesh` uses `AxisType.Auto` axes, so XLA's partitioner inserts the collectives (FSDP all-gathers,
+    tensor-parallel reduce-scatters); model.py never uses shard_map.
+  * KV cache: dict(k [L,B,S,K,H], v [L,B,S,K,H], lengths [B] int32), ragged: row b holds positions
+    [0, lengths[b]). Prefill writes [0, lengths[b]) from right-padded prompts; decode writes one token at
+    position lengths[b] (also its RoPE position) and increments lengths. The caller keeps lengths < S: a write
+    past the end is dropped by XLA's scatter (cannot raise inside jit).
+  * HF I/O uses the `safetensors` numpy API (bf16 via ml_dtypes); HF Linear weights [out,in] are transposed into
+    our [in,...,out] einsum layout. Saved directories (config.json in transformers-5 style with
+    `rope_parameters` and `dtype`; model.safetensors or shards + model.safetensors.index.json) load unchanged in
+    `transformers.AutoModelForCausalLM.from_pretrained`. config.json parsing accepts both the transformers-4
+    spelling (`rope_theta` + `rope_scaling` with `type`/`rope_type`, `torch_dtype`) and the 5.x one.
+
+Public API
+  Config (frozen, hashable: pass as a static jit arg)
+    Config(vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, ffw_dim, rope_theta=1e4,
+           rope_scaling=None, rms_norm_eps=1e-6, tie_embeddings=False, qkv_bias=False, qk_norm=False,
+           max_position_embeddings=32768, arch="LlamaForCausalLM", bos_token_id=None, eos_token_ids=())
+    Config.from_hf_dict(d, source="config.json"), Config.from_hf(dir_or_config_json), cfg.to_hf_dict()
+  init_params(cfg, key, dtype=jnp.float32) -> params
+  forward(params, cfg, tokens [B,T], positions=None, segment_ids=None, *, attn_impl="auto", remat=False)
+      -> logits [B,T,V] fp32
+  forward_hidden(same args) -> final normed hidden [B,T,D] fp32;  logits_from_hidden(params, cfg, h) -> fp32
+  init_cache(cfg, batch, max_len, dtype=jnp.float32) -> cache
+  prefill(params, cfg, tokens [B,T], lengths [B], cache, *, attn_impl="auto") -> (last_logits [B,V], cache)
+  decode_step(params, cfg, tokens [B], cache, *, attn_impl="auto") -> (logits [B,V], cache)
+  load_hf_checkpoint(path, dtype=None, *, mesh=None) -> (cfg, params)
+  save_hf_checkpoint(path, cfg, params, dtype=None, *, max_shard_bytes=4 GiB)
+  LOGICAL_RULES, make_mesh(data, fsdp, tensor, devices=None), logical_spec(axes, shape, mesh),
+  param_axes(cfg), param_specs(cfg, mesh=None), param_shardings(cfg, mesh), shard_params(params, cfg, mesh),
+  cache_axes(), shard_cache(cache, mesh)
+
+Run
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python -m pytest -q tests/test_model.py
+  Example:  cfg, params = load_hf_checkpoint("/ckpt/Qwen2.5-0.5B", dtype=jnp.bfloat16)
+            mesh = make_mesh(1, 2, 4); params = shard_params(params, cfg, mesh)
+            with jax.set_mesh(mesh): logits = jax.jit(forward, static_argnums=1)(params, cfg, tokens)
+"""
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import kernels
+
+# ----------------------------------------------------------------------------------------------------- Config
+
+# HF architecture name -> model_type. The family fixes which optional pieces exist (bias, q/k norm).
+_ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+_FAMILY_FLAGS = {"qwen2": dict(qkv_bias=True, qk_norm=False), "qwen3": dict(qkv_bias=False, qk_norm=True),
+                 "llama": dict(qkv_bias=False, qk_norm=False)}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  ffw_dim: int
+  rope_theta: float = 10000.0
+  rope_scaling: tuple | None = None  # None, or sorted (key, value) items incl. ("rope_type", "llama3")
+  rms_norm_eps: float = 1e-6
+  tie_embeddings: bool = False
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  max_position_embeddings: int = 32768
+  arch: str = "LlamaForCausalLM"
+  bos_token_id: int | None = None
+  eos_token_ids: tuple = ()
+
+  def __post_init__(self):
+    for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffw_dim",
+              "max_position_embeddings"):
+      v = getattr(self, f)
+      if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"Config.{f} must be a positive int, got {v!r}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"Config.n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads} (GQA)")
+    if self.head_dim % 2:
+      raise ValueError(f"Config.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+    if not (self.rope_theta > 0 and self.rms_norm_eps > 0):
+      raise ValueError(f"Config.rope_theta={self.rope_theta} and rms_norm_eps={self.rms_norm_eps} must be > 0")
+    if self.arch not in _ARCHS:
+      raise ValueError(f"Config.arch={self.arch!r} unsupported; supported: {sorted(_ARCHS)}")
+    want = _FAMILY_FLAGS[_ARCHS[self.arch]]
+    for f, v in want.items():
+      if getattr(self, f) != v:
+        raise ValueError(f"Config.{f}={getattr(self, f)} does not match arch {self.arch} (which has {f}={v})")
+    if self.rope_scaling is not None:
+      rs = dict(self.rope_scaling)
+      if rs.get("rope_type") != "llama3" or any(k not in rs for k in _LLAMA3_KEYS):
+        raise ValueError(f"Config.rope_scaling={self.rope_scaling!r}: only rope_type 'llama3' with keys "
+                         f"{_LLAMA3_KEYS} is supported")
+    if not isinstance(self.eos_token_ids, tuple):
+      raise ValueError(f"Config.eos_token_ids must be a tuple (hashable), got {self.eos_token_ids!r}")
+
+  @property
+  def model_type(self):
+    return _ARCHS[self.arch]
+
+  @classmethod
+  def from_hf(cls, path):
+    """Reads a checkpoint directory's config.json (or the path of a config.json itself)."""
+    fn = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(fn):
+      raise ValueError(f"no HF config at {fn!r}")
+    try:
+      with open(fn) as f:
+        d = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{fn}: invalid JSON: {e}") from e
+    return cls.from_hf_dict(d, source=fn)
+
+  @classmethod
+  def from_hf_dict(cls, d, source="config.json"):
+    """Parses an HF config dict (transformers 4.x or 5.x spelling). ValueError names the offending field."""
+    if not isinstance(d, dict):
+      raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
+
+    def req(key):
+      if d.get(key) is None:
+        raise ValueError(f"{source}: missing required field {key!r}")
+      return d[key]
+
+    mt = d.get("model_type")
+    if mt not in _FAMILY_FLAGS:
+      raise ValueError(f"{source}: model_type={mt!r} unsupported; supported: {sorted(_FAMILY_FLAGS)}")
+    archs = d.get("architectures") or [next(a for a, m in _ARCHS.items() if m == mt)]
+    if not isinstance(archs, list) or len(archs) != 1 or _ARCHS.get(archs[0]) != mt:
+      raise ValueError(f"{source}: architectures={archs!r} does not match model_type={mt!r} "
+                       f"(supported: {sorted(_ARCHS)})")
+    if d.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"{source}: hidden_act={d['hidden_act']!r} unsupported (only 'silu')")
+    if d.get("use_sliding_window"):
+      raise ValueError(f"{source}: use_sliding_window=true unsupported (full attention only)")
+    bad_layers = [t for t in (d.get("layer_types") or []) if t != "full_attention"]
+    if bad_layers:
+      raise ValueError(f"{source}: layer_types contains {bad_layers[0]!r}; only 'full_attention' is supported")
+    for f in ("attention_bias", "mlp_bias"):
+      # Qwen2 hard-codes q/k/v bias; Qwen3/Llama attention_bias would also add an o_proj bias we don't model.
+      if mt != "qwen2" and d.get(f):
+        raise ValueError(f"{source}: {f}=true unsupported for model_type={mt!r}")
+
+    # RoPE: transformers 5 writes rope_parameters={rope_type, rope_theta, ...}; 4.x wrote rope_theta at top
+    # level and rope_scaling={type|rope_type, ...} or null.
+    rp = d.get("rope_parameters")
+    if rp is None:
+      rp = dict(d.get("rope_scaling") or {})
+      rp.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+      field = "rope_scaling"
+    else:
+      field = "rope_parameters"
+    if not isinstance(rp, dict):
+      raise ValueError(f"{source}: {field} must be an object, got {rp!r}")
+    rtype = rp.get("rope_type", rp.get("type", "default"))
+    if rp.get("partial_rotary_factor", 1.0) != 1.0:
+      raise ValueError(f"{source}: {field}.partial_rotary_factor={rp['partial_rotary_factor']} unsupported")
+    if rtype == "default":
+      rope_scaling = None
+    elif rtype == "llama3":
+      missing = [k for k in _LLAMA3_KEYS if k not in rp]
+      if missing:
+        raise ValueError(f"{source}: {field} of rope_type 'llama3' is missing {missing[0]!r}")
+      rope_scaling = tuple(sorted([(k, float(rp[k])) for k in _LLAMA3_KEYS] + [("rope_type", "llama3")]))
+    else:
+      raise ValueError(f"{source}: {field}.rope_type={rtype!r} unsupported (supported: 'default', 'llama3')")
+
+    n_heads = req("num_attention_heads")
+    d_model = req("hidden_size")
+    # Qwen3Config's head_dim defaults to 128 (not d_model // n_heads); mirror HF exactly.
+    head_dim = d.get("head_dim") or (128 if mt == "qwen3" else d_model // max(int(n_heads), 1))
+    eos = d.get("eos_token_id")
+    eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    try:
+      return cls(
+          vocab_size=req("vocab_size"), d_model=d_model, n_layers=req("num_hidden_layers"), n_heads=n_heads,
+          n_kv_heads=d.get("num_key_value_heads") or n_heads, head_dim=head_dim,
+          ffw_dim=req("intermediate_size"), rope_theta=float(rp.get("rope_theta", 10000.0)),
+          rope_scaling=rope_scaling, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+          tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+          max_position_embeddings=d.get("max_position_embeddings") or 32768,
+          arch=archs[0], bos_token_id=d.get("bos_token_id"), eos_token_ids=eos, **_FAMILY_FLAGS[mt])
+    except ValueError as e:
+      raise ValueError(f"{source}: {e}") from e
+
+  def to_hf_dict(self, dtype=None):
+    """HF config dict in transformers-5 spelling; `dtype` (e.g. "bfloat16") is recorded when given."""
+    rp = {"rope_type": "default", "rope_theta": self.rope_theta}
+    if self.rope_scaling is not None:
+      rp.update(dict(self.rope_scaling))
+      rp["original_max_position_embeddings"] = int(rp["original_max_position_embeddings"])
+    eos = list(self.eos_token_ids)
+    d = {
+        "architectures": [self.arch], "model_type": self.model_type, "vocab_size": self.vocab_size,
+        "hidden_size": self.d_model, "intermediate_size": self.ffw_dim, "num_hidden_layers": self.n_layers,
+        "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": self.max_position_embeddings,
+        "rms_norm_eps": self.rms_norm_eps, "tie_word_embeddings": self.tie_embeddings, "rope_parameters": rp,
+        "bos_token_id": self.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "attention_dropout": 0.0, "use_cache": True,
+    }
+    if self.model_type != "qwen2":
+      d["attention_bias"] = False
+    if self.model_type == "llama":
+      d["mlp_bias"] = False
+    else:
+      d["use_sliding_window"] = False
+    if dtype is not None:
+      d["dtype"] = str(jnp.dtype(dtype))
+    return d
+
+
+# --------------------------------------------------------------------------------------------------- Sharding
+
+# Logical axis -> mesh axes. Anything not listed (layers, seq, head_dim, norm, act_embed) is replicated.
+# Activations use "act_embed" for D, so the FSDP axis shards the batch there and the weights' D here.
+LOGICAL_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("embed", ("fsdp",)),
+    ("heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("ffw", ("tensor",)),
+    ("vocab", ("tensor",)),
+)
+
+
+def make_mesh(data, fsdp, tensor, devices=None):
+  """A ("data","fsdp","tensor") mesh with Auto axis types (XLA inserts collectives; see module docstring)."""
+  n = data * fsdp * tensor
+  devices = list(jax.devices() if devices is None else devices)
+  if n > len(devices):
+    raise ValueError(f"mesh {data}x{fsdp}x{tensor} needs {n} devices, only {len(devices)} available")
+  return jax.make_mesh((data, fsdp, tensor), ("data", "fsdp", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices[:n])
+
+
+def _mesh_sizes(mesh):
+  return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def logical_spec(axes, shape, mesh):
+  """PartitionSpec for an array with logical `axes`, applying the divisibility/use-once fallback rule."""
+  assert len(axes) == len(shape), (axes, shape)
+  sizes, rules, used, spec = _mesh_sizes(mesh), dict(LOGICAL_RULES), set(), []
+  for name, dim in zip(axes, shape):
+    cand = [a for a in rules.get(name, ()) if a in sizes and a not in used]
+    # Drop axes from the end until the product divides the dim (e.g. batch 2 on data=2 x fsdp=4 -> data).
+    while cand and dim % math.prod(sizes[a] for a in cand):
+      cand.pop()
+    cand = [a for a in cand if sizes[a] > 1]  # size-1 axes add nothing; keeps specs readable
+    used.update(cand)
+    spec.append(None if not cand else cand[0] if len(cand) == 1 else tuple(cand))
+  return P(*spec)
+
+
+def _constrain(x, axes):
+  # Constrain activations only under `jax.set_mesh(mesh)`; with no mesh the model runs unsharded.
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_spec(axes, x.shape, mesh))
+
+
+def param_axes(cfg):
+  """name -> (shape, logical axes) for every param; the single source of truth for init, sharding and I/O."""
+  L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffw_dim,
+                         cfg.vocab_size)
+  layers = {
+      "attn_norm": ((L, D), ("layers", "norm")),
+      "wq": ((L, D, N, H), ("layers", "embed", "heads", "head_dim")),
+      "wk": ((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+      "wv": ((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+      "wo": ((L, N, H, D), ("layers", "heads", "head_dim", "embed")),
+      "mlp_norm": ((L, D), ("layers", "norm")),
+      "w_gate": ((L, D, F), ("layers", "embed", "ffw")),
+      "w_up": ((L, D, F), ("layers", "embed", "ffw")),
+      "w_down": ((L, F, D), ("layers", "ffw", "embed")),
+  }
+  if cfg.qkv_bias:
+    layers["bq"] = ((L, N, H), ("layers", "heads", "head_dim"))
+    layers["bk"] = ((L, K, H), ("layers", "kv_heads", "head_dim"))
+    layers["bv"] = ((L, K, H), ("layers", "kv_heads", "head_dim"))
+  if cfg.qk_norm:
+    layers["q_norm"] = ((L, H), ("layers", "head_dim"))
+    layers["k_norm"] = ((L, H), ("layers", "head_dim"))
+  out = {"embed": ((V, D), ("vocab", "embed")), "final_norm": ((D,), ("norm",)), "layers": layers}
+  if not cfg.tie_embeddings:
+    out["lm_head"] = ((D, V), ("embed", "vocab"))
+  return out
+
+
+def _is_leaf(x):
+  return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)
+
+
+def param_specs(cfg, mesh=None):
+  """PartitionSpec pytree matching init_params; mesh defaults to the one set by jax.set_mesh."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  if mesh.empty:
+    raise ValueError("param_specs needs a mesh (pass one or call inside `with jax.set_mesh(mesh):`)")
+  return jax.tree.map(lambda sa: logical_spec(sa[1], sa[0], mesh), param_axes(cfg), is_leaf=_is_leaf)
+
+
+def param_shardings(cfg, mesh):
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg, mesh))
+
+
+def shard_params(params, cfg, mesh):
+  return jax.device_put(params, param_shardings(cfg, mesh))
+
+
+def cache_axes():
+  return {"k": ("layers", "batch", "cache_seq", "kv_heads", "head_dim"),
+          "v": ("layers", "batch", "cache_seq", "kv_heads", "head_dim"), "lengths": ("batch",)}
+
+
+def shard_cache(cache, mesh):
+  axes = cache_axes()
+  return {n: jax.device_put(a, NamedSharding(mesh, logical_spec(axes[n], a.shape, mesh))) for n, a in cache.items()}
+
+
+# ----------------------------------------------------------------------------------------------------- Params
+
+def init_params(cfg, key, dtype=jnp.float32):
+  """Random params (HF-style init: N(0, 0.02) matrices, unit norms, zero biases).
+
+  For a sharded init: jax.jit(init_params, static_argnums=(0, 2), out_shardings=param_shardings(cfg, mesh)).
+  """
+  axes = param_axes(cfg)
+  flat, treedef = jax.tree.flatten_with_path(axes, is_leaf=_is_leaf)
+  keys = jax.random.split(key, len(flat))
+  leaves = []
+  for (path, (shape, _)), k in zip(flat, keys):
+    name = path[-1].key
+    if "norm" in name:
+      leaves.append(jnp.ones(shape, dtype))
+    elif name in ("bq", "bk", "bv"):
+      leaves.append(jnp.zeros(shape, dtype))
+    else:
+      leaves.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+  return jax.tree.unflatten(treedef, leaves)
+
+
+# ---------------------------------------------------------------------------------------------------- Forward
+
+def _dot(eq, x, w):
+  # Inputs in the weight's dtype (bf16 MXU path), fp32 accumulation and result.
+  return jnp.einsum(eq, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def _rms_norm(x, w, eps):
+  # fp32 statistics regardless of param dtype (HF does the same).
+  x = x.astype(jnp.float32)
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  return w.astype(jnp.float32) * x
+
+
+def _inv_freq(cfg):
+  """RoPE inverse frequencies [H/2] (numpy fp32, as HF computes them), with optional Llama-3 scaling."""
+  H = cfg.head_dim
+  inv = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, H, 2, dtype=np.float32) / np.float32(H)))
+  if cfg.rope_scaling is not None:
+    rs = dict(cfg.rope_scaling)
+    factor, lo, hi, old = (rs[k] for k in _LLAMA3_KEYS)
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old / lo, inv / factor, inv)  # long wavelengths: interpolate fully
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+    inv = np.where(medium, smoothed, scaled).astype(np.float32)
+  return inv.astype(np.float32)
+
+
+def _rope_tables(cfg, positions):
+  # positions [B,T] int -> cos/sin [B,T,H/2] fp32.
+  ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(_inv_freq(cfg))
+  return jnp.cos(ang), jnp.sin(ang)
+
+
+def _rope(x, cos, sin):
+  # HF rotate_half layout: the two halves of the head dim form the rotated pairs. x [B,T,N,H] fp32.
+  h = x.shape[-1] // 2
+  x1, x2 = x[..., :h], x[..., h:]
+  c, s = cos[:, :, None], sin[:, :, None]
+  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def _block(x, lp, cfg, cos, sin, attn_fn, layer_xs):
+  """One transformer layer. x [B,T,D] fp32 residual; attn_fn(q, k, v, layer_xs) -> (o [B,T,N,H], y)."""
+  eps, dt = cfg.rms_norm_eps, lp["wq"].dtype
+  h = _rms_norm(x, lp["attn_norm"], eps)
+  q = _dot("btd,dnh->btnh", h, lp["wq"])
+  k = _dot("btd,dkh->btkh", h, lp["wk"])
+  v = _dot("btd,dkh->btkh", h, lp["wv"])
+  if cfg.qkv_bias:
+    q, k, v = q + lp["bq"].astype(jnp.float32), k + lp["bk"].astype(jnp.float32), v + lp["bv"].astype(jnp.float32)
+  if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
+    q, k = _rms_norm(q, lp["q_norm"], eps), _rms_norm(k, lp["k_norm"], eps)
+  q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+  q = _constrain(q.astype(dt), ("batch", "seq", "heads", "head_dim"))
+  k = _constrain(k.astype(dt), ("batch", "seq", "kv_heads", "head_dim"))
+  v = _constrain(v.astype(dt), ("batch", "seq", "kv_heads", "head_dim"))
+  o, y = attn_fn(q, k, v, layer_xs)
+  x = _constrain(x + _dot("btnh,nhd->btd", o, lp["wo"]), ("batch", "seq", "act_embed"))
+  h = _rms_norm(x, lp["mlp_norm"], eps)
+  gate, up = _dot("btd,df->btf", h, lp["w_gate"]), _dot("btd,df->btf", h, lp["w_up"])
+  a = _constrain(jax.nn.silu(gate) * up, ("batch", "seq", "ffw"))
+  x = _constrain(x + _dot("btf,fd->btd", a, lp["w_down"]), ("batch", "seq", "act_embed"))
+  return x, y
+
+
+def _run(params, cfg, tokens, positions, attn_fn, xs=None, remat=False):
+  """Embed -> scan of _block over the L axis -> final norm. Returns (h [B,T,D] fp32, stacked ys)."""
+  tokens = _constrain(tokens, ("batch", "seq"))
+  x = _constrain(params["embed"][tokens].astype(jnp.float32), ("batch", "seq", "act_embed"))
+  cos, sin = _rope_tables(cfg, positions)
+
+  def body(x, layer):
+    lp, layer_xs = layer
+    return _block(x, lp, cfg, cos, sin, attn_fn, layer_xs)
+
+  if remat:  # training memory: keep only the per-layer residual, recompute the rest in the backward pass
+    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+  x, ys = jax.lax.scan(body, x, (params["layers"], xs))
+  return _rms_norm(x, params["final_norm"], cfg.rms_norm_eps), ys
+
+
+def logits_from_hidden(params, cfg, h):
+  """h [..., D] (final normed hidden) -> fp32 logits [..., V]; lets a loss compute log-probs in chunks."""
+  if cfg.tie_embeddings:
+    logits = jnp.einsum("...d,vd->...v", h.astype(params["embed"].dtype), params["embed"],
+                        preferred_element_type=jnp.float32)
+  else:
+    logits = _dot("...d,dv->...v", h, params["lm_head"])
+  if logits.ndim == 3:
+    logits = _constrain(logits, ("batch", "seq", "vocab"))
+  return logits
+
+
+def _check_tokens(tokens, ndim, what):
+  if tokens.ndim != ndim or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{what}: tokens must be an integer array of rank {ndim}, got {tokens.dtype}{tokens.shape}")
+
+
+def forward_hidden(params, cfg, tokens, positions=None, segment_ids=None, *, attn_impl="auto", remat=False):
+  """Training forward to the final normed hidden [B,T,D] fp32.
+
+  positions [B,T] (default arange(T)) drive RoPE; segment_ids [B,T] (default all ones): packed sequences
+  attend only within their segment (causal by index). For packing, restart positions at each segment.
+  """
+  _check_tokens(tokens, 2, "forward")
+  B, T = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions is None else positions
+  segment_ids = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
+  segment_ids = _constrain(segment_ids, ("batch", "seq"))
+
+  def attn(q, k, v, _):
+    return kernels.attention(q, k, v, segment_ids, causal=True, impl=attn_impl), None
+
+  h, _ = _run(params, cfg, tokens, positions, attn, remat=remat)
+  return h
+
+
+def forward(params, cfg, tokens, positions=None, segment_ids=None, *, attn_impl="auto", remat=False):
+  """Training forward: tokens [B,T] -> logits [B,T,V] fp32 (see forward_hidden for the arguments)."""
+  h = forward_hidden(params, cfg, tokens, positions, segment_ids, attn_impl=attn_impl, remat=remat)
+  return logits_from_hidden(params, cfg, h)
+
+
+# --------------------------------------------------------------------------------------------------- KV cache
+
+def init_cache(cfg, batch, max_len, dtype=jnp.float32):
+  """Empty cache: k, v [L,B,S,K,H] zeros, lengths [B] int32 zeros. Shard it with shard_cache."""
+  shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "lengths": jnp.zeros((batch,), jnp.int32)}
+
+
+def _constrain_cache(cache):
+  axes = cache_axes()
+  return {n: _constrain(a, axes[n]) for n, a in cache.items()}
+
+
+def prefill(params, cfg, tokens, lengths, cache, *, attn_impl="auto"):
+  """Prompts tokens [B,T] (right-padded; row b is valid on [0, lengths[b]), lengths >= 1) into an empty cache.
+
+  Writes cache positions [0, lengths[b]) and sets cache lengths; returns fp32 logits of each row's last
+  prompt token [B,V] and the cache. T must be <= the cache length S.
+  """
+  _check_tokens(tokens, 2, "prefill")
+  B, T = tokens.shape
+  S = cache["k"].shape[2]
+  if T > S or cache["k"].shape[1] != B:
+    raise ValueError(f"prefill: tokens {tokens.shape} do not fit cache k {cache['k'].shape} (need B equal, T <= S)")
+  lengths = lengths.astype(jnp.int32)
+  valid = jnp.arange(T)[None, :] < lengths[:, None]  # [B,T]
+  # Padding gets segment 0, so it only attends to padding and never leaks into valid rows.
+  segment_ids = valid.astype(jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+  def attn(q, k, v, _):
+    return kernels.attention(q, k, v, segment_ids, causal=True, impl=attn_impl), (k, v)
+
+  h, (k_new, v_new) = _run(params, cfg, tokens, positions, attn)  # k_new, v_new [L,B,T,K,H]
+  m = valid[None, :, :, None, None]
+  k = cache["k"].at[:, :, :T].set(jnp.where(m, k_new.astype(cache["k"].dtype), cache["k"][:, :, :T]))
+  v = cache["v"].at[:, :, :T].set(jnp.where(m, v_new.astype(cache["v"].dtype), cache["v"][:, :, :T]))
+  last = h[jnp.arange(B), lengths - 1]  # [B,D]
+  return logits_from_hidden(params, cfg, last), _constrain_cache({"k": k, "v": v, "lengths": lengths})
+
+
+def decode_step(params, cfg, tokens, cache, *, attn_impl="auto"):
+  """One token per row: tokens [B] go to position cache.lengths[b]; returns (logits [B,V] fp32, cache)."""
+  _check_tokens(tokens, 1, "decode_step")
+  B = tokens.shape[0]
+  lengths = cache["lengths"]
+  rows = jnp.arange(B)
+
+  def attn(q, k, v, layer_cache):
+    kc, vc = layer_cache  # [B,S,K,H] this layer's cache; write the new token before attending to it
+    kc = kc.at[rows, lengths].set(k[:, 0].astype(kc.dtype))
+    vc = vc.at[rows, lengths].set(v[:, 0].astype(vc.dtype))
+    o = kernels.decode_attention(q[:, 0], kc, vc, lengths + 1, impl=attn_impl)
+    return o[:, None], (k[:, 0], v[:, 0])
+
+  # Only the new token's k/v leave the scan ([L,B,K,H]); one scatter then updates the big cache in place
+  # (with buffer donation) instead of the scan materializing a second [L,B,S,K,H] copy.
+  h, (k_new, v_new) = _run(params, cfg, tokens[:, None], lengths[:, None], attn, xs=(cache["k"], cache["v"]))
+  k = cache["k"].at[:, rows, lengths].set(k_new.astype(cache["k"].dtype))
+  v = cache["v"].at[:, rows, lengths].set(v_new.astype(cache["v"].dtype))
+  logits = logits_from_hidden(params, cfg, h[:, 0])
+  return logits, _constrain_cache({"k": k, "v": v, "lengths": lengths + 1})
+
+
+# ----------------------------------------------------------------------------------------------------- HF I/O
+
+# our layer param -> (HF name suffix under model.layers.{i}., number of leading "input" dims of ours).
+# HF nn.Linear stores [out, in]; ours is [in..., out...]: ours = W.T.reshape(...), W = ours.reshape(in, out).T.
+# n_in None: not a Linear weight, flattened (biases [N*H] <-> [N,H], norms); "same": identical layout (embed).
+_HF_LAYER = {
+    "attn_norm": ("input_layernorm.weight", None),
+    "wq": ("self_attn.q_proj.weight", 1), "wk": ("self_attn.k_proj.weight", 1),
+    "wv": ("self_attn.v_proj.weight", 1), "wo": ("self_attn.o_proj.weight", 2),
+    "bq": ("self_attn.q_proj.bias", None), "bk": ("self_attn.k_proj.bias", None),
+    "bv": ("self_attn.v_proj.bias", None),
+    "q_norm": ("self_attn.q_norm.weight", None), "k_norm": ("self_attn.k_norm.weight", None),
+    "mlp_norm": ("post_attention_layernorm.weight", None),
+    "w_gate": ("mlp.gate_proj.weight", 1), "w_up": ("mlp.up_proj.weight", 1), "w_down": ("mlp.down_proj.weight", 1),
+}
+_HF_TOP = {"embed": ("model.embed_tokens.weight", "same"), "final_norm": ("model.norm.weight", None),
+           "lm_head": ("lm_head.weight", 1)}
+
+
+def _hf_names(cfg):
+  """Yields (our path, layer index or None, HF tensor name, n_in, our per-layer shape)."""
+  axes = param_axes(cfg)
+  for name, (shape, _) in ((n, a) for n, a in axes.items() if n != "layers"):
+    yield (name,), None, _HF_TOP[name][0], _HF_TOP[name][1], shape
+  for name, (shape, _) in axes["layers"].items():
+    suffix, n_in = _HF_LAYER[name]
+    for i in range(cfg.n_layers):
+      yield ("layers", name), i, f"model.layers.{i}.{suffix}", n_in, shape[1:]
+
+
+def _hf_shape(n_in, shape):
+  if n_in == "same":
+    return tuple(shape)
+  if n_in is None:
+    return (math.prod(shape),)
+  return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))  # torch Linear [out, in]
+
+
+def _to_ours(w, n_in, shape):
+  return w.reshape(shape) if n_in in (None, "same") else np.ascontiguousarray(w.T).reshape(shape)
+
+
+def _to_hf(w, n_in):
+  hf_shape = _hf_shape(n_in, w.shape)
+  if n_in in (None, "same"):
+    return np.ascontiguousarray(w.reshape(hf_shape))
+  return np.ascontiguousarray(w.reshape(hf_shape[::-1]).T)
+
+
+def _np_dtype(dtype):
+  d = jnp.dtype(dtype)
+  if d not in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)):
+    raise ValueError(f"dtype must be float32, bfloat16 or float16, got {d}")
+  return d
+
+
+def load_hf_checkpoint(path, dtype=None, *, mesh=None):
+  """Reads an HF checkpoint directory (config.json + model.safetensors or shards with an index.json).
+
+  dtype: None keeps the stored dtype (of the embedding; all params share one dtype), else casts.
+  mesh: when given, each param is placed directly with its sharding (never whole on one device).
+  Returns (cfg, params). ValueError names the file and tensor on a missing/unexpected/mis-shaped tensor.
+  """
+  from safetensors import safe_open  # numpy API; bf16 arrives as ml_dtypes.bfloat16
+  cfg = Config.from_hf(path)
+  index_fn = os.path.join(path, "model.safetensors.index.json")
+  if os.path.isfile(index_fn):
+    with open(index_fn) as f:
+      weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise ValueError(f"{index_fn}: missing 'weight_map' object")
+    files = sorted(set(weight_map.values()))
+  else:
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+  if not files:
+    raise ValueError(f"{path}: no *.safetensors files")
+  handles, where = {}, {}
+  try:
+    for fn in files:
+      full = os.path.join(path, fn)
+      if not os.path.isfile(full):
+        raise ValueError(f"{index_fn}: lists missing file {fn!r}")
+      handles[fn] = safe_open(full, framework="numpy")
+      for name in handles[fn].keys():
+        where[name] = fn
+    if dtype is None:
+      if "model.embed_tokens.weight" not in where:
+        raise ValueError(f"{path}: missing tensor 'model.embed_tokens.weight'")
+      dtype = handles[where["model.embed_tokens.weight"]].get_slice("model.embed_tokens.weight").get_dtype()
+      dtype = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}.get(dtype, dtype)
+    dtype = _np_dtype(dtype)
+
+    axes = param_axes(cfg)
+    out = {n: None for n in axes if n != "layers"}
+    out["layers"] = {n: np.empty(s, dtype) for n, (s, _) in axes["layers"].items()}
+    seen = set()
+    for key, layer, hf_name, n_in, shape in _hf_names(cfg):
+      if hf_name not in where:
+        raise ValueError(f"{path}: missing tensor {hf_name!r} (config {cfg.arch}, tie={cfg.tie_embeddings})")
+      w = handles[where[hf_name]].get_tensor(hf_name)
+      want = _hf_shape(n_in, shape)
+      if w.shape != want:
+        raise ValueError(f"{where[hf_name]}: tensor {hf_name!r} has shape {w.shape}, config implies {want}")
+      w = _to_ours(w.astype(dtype), n_in, shape)
+      if layer is None:
+        out[key[0]] = w
+      else:
+        out["layers"][key[1]][layer] = w
+      seen.add(hf_name)
+    # Derived buffers we recompute, and a redundant lm_head in tied checkpoints, are fine to skip.
+    extra = [n for n in where if n not in seen and not n.endswith("rotary_emb.inv_freq")
+             and not (cfg.tie_embeddings and n == "lm_head.weight")]
+    if extra:
+      raise ValueError(f"{where[extra[0]]}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in total)")
+  finally:
+    handles.clear()
+  if mesh is not None:
+    return cfg, shard_params(out, cfg, mesh)
+  return cfg, jax.tree.map(jnp.asarray, out)
+
+
+def save_hf_checkpoint(path, cfg, params, dtype=None, *, max_shard_bytes=4 << 30):
+  """Writes config.json + model.safetensors (or model-0000i-of-0000n.safetensors + index.json when larger
+  than max_shard_bytes) that transformers' AutoModelForCausalLM.from_pretrained loads unchanged.
+
+  dtype: None keeps the params' dtype. Params must be fully addressable from this process (single host or
+  gathered first).
+  """
+  from safetensors.numpy import save_file
+  dtype = _np_dtype(params["embed"].dtype if dtype is None else dtype)
+  want = jax.tree.map(lambda sa: sa[0], param_axes(cfg), is_leaf=_is_leaf)
+  got = jax.tree.map(lambda a: tuple(a.shape), params)
+  if got != want:
+    raise ValueError(f"save_hf_checkpoint: params do not match cfg: shapes {got} vs expected {want}")
+  os.makedirs(path, exist_ok=True)
+  host = jax.tree.map(lambda a: np.asarray(jax.device_get(a)).astype(dtype), params)
+  tensors = []  # (HF name, array) in HF order
+  for key, layer, hf_name, n_in, _ in _hf_names(cfg):
+    w = host[key[0]] if layer is None else host["layers"][key[1]][layer]
+    tensors.append((hf_name, _to_hf(w, n_in)))
+  shards, cur, cur_bytes = [], [], 0
+  for name, w in tensors:
+    if cur and cur_bytes + w.nbytes > max_shard_bytes:
+      shards.append(cur)
+      cur, cur_bytes = [], 0
+    cur.append((name, w))
+    cur_bytes += w.nbytes
+  shards.append(cur)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(cfg.to_hf_dict(dtype=dtype), f, indent=2)
+  if len(shards) == 1:
+    save_file(dict(shards[0]), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return
+  weight_map = {}
+  for i, shard in enumerate(shards):
+    fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    save_file(dict(shard), os.path.join(path, fn), metadata={"format": "pt"})
+    weight_map.update({name: fn for name, _ in shard})
+  index = {"metadata": {"total_size": sum(w.nbytes for _, w in tensors)}, "weight_map": weight_map}
+  with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+    json.dump(index, f, indent=2)

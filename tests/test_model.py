@@ -1,0 +1,376 @@
+"""model.py against the Hugging Face reference (torch CPU), plus cache, packing and sharding invariants.
+
+Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python -m pytest -q tests/test_model.py
+"""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import model as M
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = {
+    # Qwen2: QKV bias, tied embeddings (like Qwen2.5-0.5B), GQA 8q/2kv.
+    "qwen2": (transformers.Qwen2Config, dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    # Qwen3: q/k RMSNorm, head_dim != d_model / heads, untied.
+    "qwen3": (transformers.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                            tie_word_embeddings=False)),
+    # Llama with Llama-3 rope scaling; original context 16 puts the head-dim frequencies in all three bands.
+    "llama": (transformers.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
+                                            rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                                             "factor": 8.0, "low_freq_factor": 1.0,
+                                                             "high_freq_factor": 4.0,
+                                                             "original_max_position_embeddings": 16})),
+}
+VOCAB = 256
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+
+
+def _hf_model(family, seed=0):
+  cls, kw = FAMILIES[family]
+  hf_cfg = cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, rms_norm_eps=1e-5,
+               max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None, **kw)
+  torch.manual_seed(seed)
+  m = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager").eval()
+  # HF init zeroes biases and sets norms to 1: randomize everything so loading each tensor really matters.
+  # Std 0.1 makes the logits peaked enough that greedy decoding has no near-ties.
+  with torch.no_grad():
+    for name, p in m.named_parameters():
+      if "norm" in name:
+        p.copy_(1 + 0.2 * torch.randn_like(p))
+      elif name.endswith("bias"):
+        p.copy_(0.2 * torch.randn_like(p))
+      else:
+        p.copy_(0.1 * torch.randn_like(p))
+  return m
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+  """family -> (checkpoint dir, HF model) saved with HF's own save_pretrained (fp32)."""
+  out = {}
+  for family in FAMILIES:
+    m = _hf_model(family)
+    d = str(tmp_path_factory.mktemp(family))
+    m.save_pretrained(d)
+    out[family] = (d, m)
+  return out
+
+
+def _tokens(B, T, seed=0):
+  return np.random.default_rng(seed).integers(0, VOCAB, (B, T)).astype(np.int32)
+
+
+def _hf_logits(m, tokens):
+  with torch.no_grad():
+    return m(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+fwd = jax.jit(M.forward, static_argnums=1)
+prefill = jax.jit(M.prefill, static_argnums=1)
+decode = jax.jit(M.decode_step, static_argnums=1)
+
+
+# --------------------------------------------------------------------------------------------------- config
+
+def test_config_json_as_written_by_installed_transformers(ckpts):
+  d, _ = ckpts["llama"]
+  raw = json.load(open(os.path.join(d, "config.json")))
+  assert "rope_parameters" in raw  # transformers 5 spelling; 4.x spelling is covered below
+  cfg = M.Config.from_hf(d)
+  assert (cfg.arch, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.tie_embeddings) == ("LlamaForCausalLM", 4, 1,
+                                                                                      16, False)
+  assert dict(cfg.rope_scaling)["original_max_position_embeddings"] == 16
+  q2, q3 = M.Config.from_hf(ckpts["qwen2"][0]), M.Config.from_hf(ckpts["qwen3"][0])
+  assert (q2.qkv_bias, q2.qk_norm, q2.tie_embeddings, q2.rope_theta, q2.head_dim) == (True, False, True, 1e6, 8)
+  assert (q3.qkv_bias, q3.qk_norm, q3.head_dim) == (False, True, 16)
+  hash(cfg)  # static jit arg
+
+
+def test_config_transformers4_spelling_equals_5():
+  base = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128, hidden_size=64,
+              intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+  scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+  v4 = M.Config.from_hf_dict({**base, "rope_theta": 5e5, "torch_dtype": "bfloat16",
+                              "rope_scaling": {"type": "llama3", **scaling}})
+  v5 = M.Config.from_hf_dict({**base, "dtype": "bfloat16",
+                              "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
+  assert v4 == v5 and v4.rope_theta == 5e5
+  assert M.Config.from_hf_dict(v5.to_hf_dict()) == v5
+  # No head_dim: d_model // n_heads for llama/qwen2 (Qwen3's HF default is 128, mirrored).
+  assert v4.head_dim == 16
+  q3 = M.Config.from_hf_dict({**base, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]})
+  assert q3.head_dim == 128 and q3.qk_norm
+
+
+@pytest.mark.parametrize("patch,field", [
+    ({"model_type": "gpt2"}, "model_type"),
+    ({"num_key_value_heads": 3}, "n_kv_heads"),
+    ({"vocab_size": None}, "vocab_size"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 4.0}}, "low_freq_factor"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"architectures": ["Qwen2ForCausalLM"]}, "architectures"),
+    ({"num_hidden_layers": 0}, "n_layers"),
+])
+def test_config_errors_name_the_field(patch, field):
+  d = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128, hidden_size=64,
+           intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+  d.update(patch)
+  with pytest.raises(ValueError, match=field):
+    M.Config.from_hf_dict(d, source="x/config.json")
+
+
+def test_config_family_flags_enforced():
+  with pytest.raises(ValueError, match="qkv_bias"):
+    M.Config(vocab_size=8, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, ffw_dim=8,
+             arch="LlamaForCausalLM", qkv_bias=True)
+
+
+# ----------------------------------------------------------------------------------------- HF numerics, I/O
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_match_hf(ckpts, family):
+  d, m = ckpts[family]
+  cfg, params = M.load_hf_checkpoint(d)
+  assert params["embed"].dtype == jnp.float32
+  tokens = _tokens(2, 24, seed=1)
+  ref = _hf_logits(m, tokens)
+  ours = np.asarray(fwd(params, cfg, jnp.asarray(tokens)))
+  assert ours.dtype == np.float32 and ours.shape == ref.shape
+  assert _rel(ours, ref) < 1e-4, _rel(ours, ref)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_generation_matches_hf(ckpts, family):
+  d, m = ckpts[family]
+  cfg, params = M.load_hf_checkpoint(d)
+  prompt = _tokens(1, 7, seed=2)
+  n_new = 32
+  with torch.no_grad():
+    ref = m.generate(torch.tensor(prompt, dtype=torch.long), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+                     max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)[0, prompt.shape[1]:].numpy()
+  cache = M.init_cache(cfg, 1, prompt.shape[1] + n_new)
+  logits, cache = prefill(params, cfg, jnp.asarray(prompt), jnp.array([prompt.shape[1]]), cache)
+  out = []
+  for _ in range(n_new):
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    out.append(int(tok[0]))
+    logits, cache = decode(params, cfg, tok, cache)
+  assert len(set(out)) > 1  # a non-degenerate continuation
+  np.testing.assert_array_equal(np.array(out), ref)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_save_then_hf_load_same_logits(ckpts, family, tmp_path):
+  d, _ = ckpts[family]
+  cfg, params = M.load_hf_checkpoint(d)
+  out = str(tmp_path / "ours")
+  # Small shard limit: exercises our index.json writer too.
+  M.save_hf_checkpoint(out, cfg, params, max_shard_bytes=64 << 10)
+  assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+  hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
+  tokens = _tokens(2, 16, seed=3)
+  ours = np.asarray(fwd(params, cfg, jnp.asarray(tokens)))
+  assert _rel(_hf_logits(hf, tokens), ours) < 1e-4
+  # And our own loader reads it back bit-exactly.
+  cfg2, params2 = M.load_hf_checkpoint(out)
+  assert cfg2 == cfg
+  jax.tree.map(np.testing.assert_array_equal, params2, params)
+
+
+def test_save_single_file_qwen3_roundtrip(ckpts, tmp_path):
+  d, _ = ckpts["qwen3"]
+  cfg, params = M.load_hf_checkpoint(d)
+  M.save_hf_checkpoint(str(tmp_path), cfg, params)
+  assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+  hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager",
+                                                         dtype=torch.float32)
+  tokens = _tokens(1, 12, seed=4)
+  assert _rel(_hf_logits(hf, tokens), np.asarray(fwd(params, cfg, jnp.asarray(tokens)))) < 1e-4
+
+
+def test_load_hf_sharded_index(ckpts, tmp_path):
+  d, m = ckpts["qwen3"]
+  m.save_pretrained(str(tmp_path), max_shard_size="50KB")
+  files = [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
+  assert len(files) > 1 and os.path.isfile(tmp_path / "model.safetensors.index.json")
+  _, sharded = M.load_hf_checkpoint(str(tmp_path))
+  _, single = M.load_hf_checkpoint(d)
+  jax.tree.map(np.testing.assert_array_equal, sharded, single)
+
+
+def test_load_bf16_checkpoint(tmp_path):
+  m16 = _hf_model("qwen2").to(torch.bfloat16)
+  m16.save_pretrained(str(tmp_path))
+  cfg, p16 = M.load_hf_checkpoint(str(tmp_path))
+  assert p16["embed"].dtype == jnp.bfloat16 and p16["layers"]["bq"].dtype == jnp.bfloat16
+  tokens = _tokens(2, 16, seed=5)
+  # Upcast on load: exactly HF loading the bf16 checkpoint into fp32 (a fresh load, so its RoPE inv_freq
+  # buffer is fp32 rather than the bf16-rounded one m16 carries).
+  _, p32 = M.load_hf_checkpoint(str(tmp_path), dtype=jnp.float32)
+  ref = _hf_logits(transformers.AutoModelForCausalLM.from_pretrained(
+      str(tmp_path), attn_implementation="eager", dtype=torch.float32), tokens)
+  assert _rel(np.asarray(fwd(p32, cfg, jnp.asarray(tokens))), ref) < 1e-4
+  # bf16 compute (bf16 matmuls, fp32 accumulation): logits fp32 and close to the fp32 result.
+  l16 = np.asarray(fwd(p16, cfg, jnp.asarray(tokens)))
+  assert l16.dtype == np.float32 and _rel(l16, ref) < 5e-2
+
+
+def test_load_errors(ckpts, tmp_path):
+  import shutil
+  from safetensors.numpy import load_file, save_file
+  d, _ = ckpts["qwen3"]
+  shutil.copy(os.path.join(d, "config.json"), tmp_path / "config.json")
+  t = load_file(os.path.join(d, "model.safetensors"))
+  missing = {k: v for k, v in t.items() if k != "model.layers.1.self_attn.k_norm.weight"}
+  save_file(missing, str(tmp_path / "model.safetensors"))
+  with pytest.raises(ValueError, match="model.layers.1.self_attn.k_norm.weight"):
+    M.load_hf_checkpoint(str(tmp_path))
+  save_file({**t, "model.layers.0.self_attn.q_proj.weight": np.zeros((3, 3), np.float32)},
+            str(tmp_path / "model.safetensors"))
+  with pytest.raises(ValueError, match="q_proj.weight.*shape"):
+    M.load_hf_checkpoint(str(tmp_path))
+  save_file({**t, "model.layers.0.self_attn.q_proj.bias": np.zeros((64,), np.float32)},
+            str(tmp_path / "model.safetensors"))
+  with pytest.raises(ValueError, match="unexpected tensor.*q_proj.bias"):
+    M.load_hf_checkpoint(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------- cache, packing (ours)
+
+def test_prefill_decode_equals_forward_ragged(ckpts):
+  cfg, params = M.load_hf_checkpoint(ckpts["qwen3"][0])
+  B, T, n_steps = 3, 20, 6
+  seqs = _tokens(B, T, seed=6)
+  lengths = np.array([5, 9, 2])
+  full = np.asarray(fwd(params, cfg, jnp.asarray(seqs)))  # causal: row b's logit at t sees only seqs[b, :t+1]
+  prompts = np.where(np.arange(12)[None] < lengths[:, None], seqs[:, :12], 0)  # right-padded garbage-free
+  cache = M.init_cache(cfg, B, 24)
+  logits, cache = prefill(params, cfg, jnp.asarray(prompts), jnp.asarray(lengths), cache)
+  np.testing.assert_array_equal(np.asarray(cache["lengths"]), lengths)
+  got = [np.asarray(logits)]
+  for i in range(n_steps):
+    logits, cache = decode(params, cfg, jnp.asarray(seqs[np.arange(B), lengths + i]), cache)
+    got.append(np.asarray(logits))
+  for i, g in enumerate(got):
+    want = full[np.arange(B), lengths - 1 + i]
+    assert _rel(g, want) < 1e-5, (i, _rel(g, want))
+  np.testing.assert_array_equal(np.asarray(cache["lengths"]), lengths + n_steps)
+  # The cache holds exactly the prompt + decoded tokens' k; untouched slots stay zero.
+  assert np.all(np.asarray(cache["k"])[:, 2, lengths[2] + n_steps:] == 0)
+
+
+def test_packed_segments_equal_separate_sequences(ckpts):
+  cfg, params = M.load_hf_checkpoint(ckpts["qwen2"][0])
+  a, b = _tokens(1, 7, seed=7), _tokens(1, 9, seed=8)
+  packed = np.concatenate([a, b], 1)
+  seg = np.array([[1] * 7 + [2] * 9], np.int32)
+  pos = np.array([list(range(7)) + list(range(9))], np.int32)
+  out = np.asarray(fwd(params, cfg, jnp.asarray(packed), jnp.asarray(pos), jnp.asarray(seg)))
+  assert _rel(out[:, :7], np.asarray(fwd(params, cfg, jnp.asarray(a)))) < 1e-5
+  assert _rel(out[:, 7:], np.asarray(fwd(params, cfg, jnp.asarray(b)))) < 1e-5
+  # Without segment ids the second sequence would see the first: the test can tell the difference.
+  mixed = np.asarray(fwd(params, cfg, jnp.asarray(packed), jnp.asarray(pos)))
+  assert _rel(mixed[:, 7:], out[:, 7:]) > 1e-3
+
+
+def test_forward_hidden_and_chunked_logits(ckpts):
+  cfg, params = M.load_hf_checkpoint(ckpts["llama"][0])
+  tokens = jnp.asarray(_tokens(2, 8, seed=9))
+  h = M.forward_hidden(params, cfg, tokens)
+  assert h.shape == (2, 8, cfg.d_model) and h.dtype == jnp.float32
+  chunks = jnp.concatenate([M.logits_from_hidden(params, cfg, h[:, i:i + 4]) for i in (0, 4)], 1)
+  assert _rel(chunks, M.forward(params, cfg, tokens)) < 1e-6
+  # remat changes memory, not values.
+  assert _rel(M.forward(params, cfg, tokens, remat=True), M.forward(params, cfg, tokens)) < 1e-6
+
+
+# --------------------------------------------------------------------------------------------- sharding
+
+SHARD_CFG = M.Config(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=8, ffw_dim=128,
+                     qkv_bias=True, arch="Qwen2ForCausalLM", rope_theta=1e4)
+
+
+def _loss(params, cfg, tokens):
+  logp = jax.nn.log_softmax(M.forward(params, cfg, tokens[:, :-1]))
+  return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+
+def _run_all(params, tokens, lengths):
+  cfg = SHARD_CFG
+  logits = jax.jit(M.forward, static_argnums=1)(params, cfg, tokens)
+  grads = jax.jit(jax.grad(_loss), static_argnums=1)(params, cfg, tokens)
+  cache = M.init_cache(cfg, tokens.shape[0], 16)
+  dec = []
+  lg, cache = prefill(params, cfg, tokens[:, :8], lengths, cache)
+  dec.append(lg)
+  for i in range(3):
+    lg, cache = decode(params, cfg, tokens[:, 8 + i], cache)
+    dec.append(lg)
+  return logits, grads, dec, cache
+
+
+def test_logical_spec_fallback_rule():
+  m118 = M.make_mesh(1, 1, 8)
+  specs = M.param_specs(SHARD_CFG, m118)
+  assert specs["layers"]["wq"] == P(None, None, "tensor", None)
+  assert specs["layers"]["wk"] == P(None, None, None, None)  # K=2 not divisible by 8: replicated
+  assert specs["embed"] == P("tensor", None)
+  m222 = M.make_mesh(2, 2, 2)
+  specs = M.param_specs(SHARD_CFG, m222)
+  assert specs["layers"]["wk"] == P(None, "fsdp", "tensor", None)
+  assert specs["lm_head"] == P("fsdp", "tensor")
+  m181 = M.make_mesh(1, 8, 1)
+  assert M.logical_spec(("batch", "seq", "act_embed"), (8, 4, 64), m181) == P("fsdp", None, None)
+  assert M.logical_spec(("batch", "seq"), (2, 4), m222) == P("data", None)  # 2 % (2*2): keep data only
+  assert M.logical_spec(("batch", "seq"), (3, 4), m222) == P(None, None)
+  with pytest.raises(ValueError, match="mesh"):
+    M.param_specs(SHARD_CFG)
+  with pytest.raises(ValueError, match="devices"):
+    M.make_mesh(4, 4, 1)
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 1, 8)])
+def test_sharded_equals_single_device(shape):
+  assert jax.device_count() == 8, "tests/conftest.py sets 8 fake CPU devices"
+  cfg = SHARD_CFG
+  params = M.init_params(cfg, jax.random.key(0))
+  keys = jax.random.split(jax.random.key(1), len(jax.tree.leaves(params)))
+  leaves, tdef = jax.tree.flatten(params)
+  params = jax.tree.unflatten(tdef, [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+  tokens = jnp.asarray(_tokens(8, 16, seed=10))
+  lengths = jnp.array([8, 3, 5, 8, 1, 7, 2, 6], jnp.int32)
+  ref = _run_all(params, tokens, lengths)
+
+  mesh = M.make_mesh(*shape)
+  sp = M.shard_params(params, cfg, mesh)
+  stokens = jax.device_put(tokens, NamedSharding(mesh, M.logical_spec(("batch", "seq"), tokens.shape, mesh)))
+  with jax.set_mesh(mesh):
+    got = _run_all(sp, stokens, lengths)
+  logits, grads, dec, cache = got
+  assert _rel(logits, ref[0]) < 1e-5
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref[1])):
+    assert _rel(g, r) < 1e-5
+  for g, r in zip(dec, ref[2]):
+    assert _rel(g, r) < 1e-5
+  np.testing.assert_array_equal(np.asarray(cache["lengths"]), np.asarray(ref[3]["lengths"]))
+  # The outputs really are distributed as the table says (not silently replicated).
+  want = M.logical_spec(("batch", "seq", "vocab"), logits.shape, mesh)
+  assert logits.sharding.is_equivalent_to(NamedSharding(mesh, want), 3), (logits.sharding, want)
+  want_k = M.logical_spec(M.cache_axes()["k"], cache["k"].shape, mesh)
+  assert cache["k"].sharding.is_equivalent_to(NamedSharding(mesh, want_k), 5), (cache["k"].sharding, want_k)
