@@ -94,7 +94,6 @@ import ast
 import dataclasses
 import hashlib
 import json
-import math
 import multiprocessing
 import multiprocessing.connection
 import os
