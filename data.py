@@ -66,7 +66,7 @@ Design choices
 
 Public API
   Problem(id, prompt, answer, task="math", tests=None)            frozen; tests: tuple of str | (stdin, stdout)
-  render_prompt(problem, template="plain", system=None) -> str
+  render_prompt(problem, template="plain", system=None) -> str;  reference_completion(problem) -> str (SFT target)
   load_jsonl(path) -> list[Problem];  write_jsonl(path, problems, pass_rates=None)
   split(problems, held_out, seed=0) -> (train, held_out)          held_out: fraction in (0,1) or count
   PromptStream(problems, seed=0, shuffle=True): next(), take(n), state_dict(), load_state_dict(d)
@@ -127,6 +127,23 @@ class Problem:
   task: str = "math"
   tests: Optional[tuple] = None  # code: items are python source str or (stdin, expected_stdout) pairs
 
+  def __post_init__(self):
+    # Tests that travelled through JSON arrive as lists: store tuples so the problem stays hashable.
+    if self.tests is not None:
+      object.__setattr__(self, "tests", tuple(t if isinstance(t, str) else tuple(t) for t in self.tests))
+
+
+def reference_completion(problem: Problem) -> str:
+  """Supervised target text for warm-starts (the caller appends eos): the answer itself for built-in tasks,
+  "\\boxed{answer}" for math, the reference program (the answer field) for code."""
+  if problem.task in ("arithmetic", "countdown"):
+    return problem.answer
+  if problem.task == "math":
+    return f"\\boxed{{{problem.answer}}}"
+  if problem.task == "code" and problem.answer:
+    return problem.answer
+  raise ValueError(f"reference_completion: problem {problem.id!r} (task {problem.task!r}) has no reference answer")
+
 
 def render_prompt(problem: Problem, template: str = "plain", system: Optional[str] = None) -> str:
   """The one place a prompt template is applied. "plain": the prompt as is (built-in tasks).
@@ -150,6 +167,8 @@ def _parse_tests(raw, where):
       out.append((t["input"], t["output"]))
     else:
       raise ValueError(f"{where}: tests[{i}] must be a string or {{'input': str, 'output': str}}, got {t!r:.80}")
+  if len({isinstance(t, str) for t in out}) > 1:
+    raise ValueError(f"{where}: field 'tests' mixes assert strings with input/output cases; use one kind")
   return tuple(out)
 
 

@@ -93,6 +93,18 @@ def test_hf_tokenizer_json(tmp_path, monkeypatch):
     data.load_tokenizer(tmp_path / "ckpt")
 
 
+def test_reference_completion_and_list_tests():
+  for task in ("arithmetic", "countdown"):
+    for p in data.make_task_problems(task, 20, difficulty=3):
+      assert data.verify(p, data.reference_completion(p)) == 1.0
+  m = Problem("m", "?", "\\frac{1}{2}", "math")
+  assert data.reference_completion(m) == "\\boxed{\\frac{1}{2}}" and data.verify(m, data.reference_completion(m)) == 1.0
+  c = Problem("c", "?", "", "code", [["1\n", "1"], "assert True"])  # as decoded from JSON
+  assert c.tests == (("1\n", "1"), "assert True") and hash(c)
+  with pytest.raises(ValueError, match="no reference"):
+    data.reference_completion(c)
+
+
 def test_render_prompt():
   p = Problem("1", "12+3=", "15", "arithmetic")
   assert data.render_prompt(p) == "12+3="
@@ -107,9 +119,9 @@ def test_render_prompt():
 def test_jsonl_roundtrip(tmp_path):
   path = tmp_path / "p.jsonl"
   path.write_text('{"id": "a", "prompt": "1+1?", "answer": 2}\n\n'
-                  '{"id": 7, "prompt": "echo", "answer": "", "tests": [{"input": "x\\n", "output": "x"}, "assert 1"]}\n')
+                  '{"id": 7, "prompt": "echo", "answer": "", "tests": [{"input": "x\\n", "output": "x"}, {"input": "", "output": ""}]}\n')
   ps = data.load_jsonl(path)
-  assert ps == [Problem("a", "1+1?", "2", "math", None), Problem("7", "echo", "", "code", (("x\n", "x"), "assert 1"))]
+  assert ps == [Problem("a", "1+1?", "2", "math", None), Problem("7", "echo", "", "code", (("x\n", "x"), ("", "")))]
   data.write_jsonl(tmp_path / "q.jsonl", ps, pass_rates={"a": 0.25})
   assert data.load_jsonl(tmp_path / "q.jsonl") == ps
   assert json.loads((tmp_path / "q.jsonl").read_text().splitlines()[0])["pass_rate"] == 0.25
@@ -125,6 +137,7 @@ def test_jsonl_roundtrip(tmp_path):
     ('{"id": "b", "prompt": "x", "answer": "1", "task": "poetry"}', "'task'"),
     ('{"id": "b", "prompt": "x", "answer": "1", "tests": [{"input": 1}]}', r"tests\[0\]"),
     ('{"id": "b", "prompt": "x", "answer": "1", "task": "code"}', "needs a non-empty 'tests'"),
+    ('{"id": "b", "prompt": "x", "answer": "1", "tests": ["assert 1", {"input": "", "output": ""}]}', "mixes"),
     ('{"id": "a", "prompt": "x", "answer": "1"}', "duplicate id 'a' .first seen on line 1"),
 ])
 def test_jsonl_errors_name_file_and_line(tmp_path, line, match):
