@@ -3,7 +3,6 @@ import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
