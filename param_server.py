@@ -863,8 +863,11 @@ class Server:
 
   def _requeue(self, conn, h, plen, deadline):
     q = self._queue(h.get("queue"))
+    ids = h.get("ids")  # None: every lease (a restarted consumer); a list: just those (a draining worker)
+    if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)):
+      raise ValueError("ids must be a list of str or absent")
     with q.cond:
-      n = q.release(list(q.leased))
+      n = q.release(list(q.leased) if ids is None else [i for i in ids if i in q.leased])
     self._ok(conn, {"released": n})
 
   def stats(self):
@@ -1186,9 +1189,11 @@ class Client:
     h, _ = self._request(ACK, {"queue": queue, "ids": [str(i) for i in ids]})
     return {"acked": h["acked"], "unknown": h["unknown"]}
 
-  def requeue(self, queue: str) -> int:
-    """Releases every outstanding lease of `queue` (a restarted consumer calls this at startup)."""
-    return self._request(REQUEUE, {"queue": queue})[0]["released"]
+  def requeue(self, queue: str, ids=None) -> int:
+    """Releases outstanding leases of `queue` at once: all of them (a restarted consumer calls this at startup)
+    or only `ids` (a worker handing back prompts it will not finish). Returns how many were released."""
+    h = {"queue": queue} if ids is None else {"queue": queue, "ids": [str(i) for i in ids]}
+    return self._request(REQUEUE, h)[0]["released"]
 
 
 def _json_default(x):

@@ -356,7 +356,7 @@ def run_worker():
         if int(item["group_size"]) <= len(free):
           start(item)
         else:  # not enough room now: hand it straight back so another worker can take it
-          client.release("prompts", [item["id"]])
+          client.requeue("prompts", [item["id"]])
     if not groups:
       continue
     active = engine.run_chunk(params)
@@ -392,7 +392,7 @@ def run_worker():
       el = time.time() - t_start
       logging.info("worker %s v%d: %d groups sent, %.1f tok/s", wid, version, n_sent, tokens_out / el)
   if groups:  # return unfinished prompts so they are re-issued now rather than after the lease expires
-    client.release("prompts", list(groups))
+    client.requeue("prompts", list(groups))
   logging.info("worker %s stopped after %d groups", wid, n_sent)
 
 

@@ -389,6 +389,11 @@ def test_lease_expiry_reissues_and_requeue(server):
   assert sorted(x["id"] for x in again) == ["p0", "p1"] and again[0]["text"] in ("0+1=", "1+1=")
   assert c.requeue("prompts") == 3  # p0, p1 (60 s leases) and p2: all released at once
   assert sorted(x["id"] for x in c.get("prompts", 5, wait_s=0.0)) == ["p0", "p1", "p2"]
+  # A draining worker hands back only its own leases; unknown or unleased ids are ignored.
+  assert c.requeue("prompts", ["p1", "nope"]) == 1
+  assert [x["id"] for x in c.get("prompts", 5)] == ["p1"]
+  with pytest.raises(ValueError, match="ids"):
+    c._request(ps.REQUEUE, {"queue": "prompts", "ids": "p1"})
 
 
 def test_get_waits_for_items(server):
