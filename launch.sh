@@ -13,8 +13,9 @@
 #                                    NAME-infer), each using its local chips. --dry_run prints the exact commands.
 #
 # local flags: --run_dir=runs/local --workers=2 --trainer_procs=1 --steps=N --init_checkpoint=HF_DIR
-#   --tokenizer=PATH --train_jsonl=F --eval_jsonl=F --port=5555; anything else after "--" goes to train.py.
-# Layout of a run dir: logs/<role>.log, pids/<role>.pid, token (server secret), tokenizer.model, base/ (HF
+#   --tokenizer=PATH --train_jsonl=F --eval_jsonl=F --port=5555 --worker_args="--lease_s=30 ..." --skip_eval;
+#   anything after "--" goes to train.py.
+# Layout of a run dir: logs/<role>.log, pids/<role>.pid, token (server secret), tokenizer-arithmetic.model, base/ (HF
 # checkpoint of the warm-started policy), ckpt/ (trainer), server/ (server persistence), final/, eval_*.json.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")" && pwd)"
@@ -38,7 +39,7 @@ setup_venv() {
 # local: supervised processes on this machine
 
 RUN_DIR=runs/local; WORKERS=2; TRAINER_PROCS=1; PORT=5555; STEPS=""; INIT_CKPT=""; TOKENIZER=""
-TRAIN_JSONL=""; EVAL_JSONL=""; EXTRA=()
+TRAIN_JSONL=""; EVAL_JSONL=""; EXTRA=(); WORKER_ARGS=""; SKIP_EVAL=0
 parse_local_flags() {
   while [ $# -gt 0 ]; do
     case "$1" in
@@ -51,6 +52,8 @@ parse_local_flags() {
       --tokenizer=*) TOKENIZER="${1#*=}" ;;
       --train_jsonl=*) TRAIN_JSONL="${1#*=}" ;;
       --eval_jsonl=*) EVAL_JSONL="${1#*=}" ;;
+      --worker_args=*) WORKER_ARGS="${1#*=}" ;;
+      --skip_eval) SKIP_EVAL=1 ;;
       --) shift; EXTRA=("$@"); return ;;
       *) echo "launch.sh local: unknown flag $1 (train.py flags go after --)" >&2; exit 2 ;;
     esac
@@ -118,10 +121,10 @@ run_local() {
   mkdir -p "$RUN_DIR/logs" "$RUN_DIR/pids"
   export PYTHONUNBUFFERED=1 JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
   local t_start=$SECONDS
-  TOKENIZER="${TOKENIZER:-$RUN_DIR/tokenizer.model}"
-  if [ ! -f "$TOKENIZER" ] && [ ! -d "$TOKENIZER" ]; then
-    echo "== building the task tokenizer: $TOKENIZER"
-    "$PY" -c "import data, sys; data.build_task_tokenizer(sys.argv[1], 'arithmetic', seed=0)" "$TOKENIZER"
+  if [ -z "$TOKENIZER" ]; then
+    TOKENIZER="$RUN_DIR/tokenizer-arithmetic.model"
+    [ -f "$TOKENIZER" ] || echo "== building the task tokenizer: $TOKENIZER"
+    "$PY" -c "import data, sys; data.build_task_tokenizer(sys.argv[1], 'arithmetic', seed=0)" "$RUN_DIR" >/dev/null
   fi
   local base="${INIT_CKPT:-$RUN_DIR/base}"
   if [ ! -f "$base/config.json" ]; then
@@ -132,7 +135,7 @@ run_local() {
   fi
   local eval_flags=("${DEMO_EVAL_FLAGS[@]}")
   [ -n "$EVAL_JSONL" ] && eval_flags+=(--eval_jsonl="$EVAL_JSONL")
-  if [ ! -f "$RUN_DIR/eval_before.json" ]; then
+  if [ $SKIP_EVAL = 0 ] && [ ! -f "$RUN_DIR/eval_before.json" ]; then
     echo "== pass@k of the base policy on held-out problems"
     "$PY" rollout.py --mode=eval --checkpoint="$base" --tokenizer="$TOKENIZER" "${eval_flags[@]}" \
       --out="$RUN_DIR/eval_before.json" 2>>"$RUN_DIR/logs/eval.log"
@@ -156,7 +159,7 @@ run_local() {
     done
     for i in $(seq 0 $((WORKERS - 1))); do
       start_role "worker$i" "$PY" rollout.py --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token" \
-        --tokenizer="$TOKENIZER" --worker_id="worker$i" --seed="$i" --max_new_tokens=8
+        --tokenizer="$TOKENIZER" --worker_id="worker$i" --seed="$i" --max_new_tokens=8 $WORKER_ARGS
     done
     # The trainer's tqdm bar goes to its log; show it here while we supervise.
     tail -n 0 -F "$RUN_DIR/logs/trainer0.log" 2>/dev/null | tr '\r' '\n' | grep --line-buffered -E "it/s|s/it" &
@@ -166,6 +169,7 @@ run_local() {
     stop_all
     trap - INT TERM
   fi
+  [ $SKIP_EVAL = 1 ] && { echo "== done (eval skipped): $RUN_DIR/final"; return; }
   echo "== pass@k of the trained policy on the same held-out problems"
   "$PY" rollout.py --mode=eval --checkpoint="$RUN_DIR/final" --tokenizer="$TOKENIZER" "${eval_flags[@]}" \
     --out="$RUN_DIR/eval_after.json" 2>>"$RUN_DIR/logs/eval.log"

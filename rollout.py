@@ -270,6 +270,8 @@ flags.DEFINE_float("lease_s", 120.0, "Seconds a leased prompt stays ours before 
 flags.DEFINE_float("drain_s", 10.0, "On SIGTERM, seconds spent finishing in-flight groups. Default 10.")
 flags.DEFINE_integer("verifier_workers", 2, "Verifier process-pool size. Default 2.")
 flags.DEFINE_float("verifier_timeout_s", 10.0, "Per-completion verifier timeout in seconds. Default 10.")
+flags.DEFINE_integer("server_retries", 30, "Reconnect attempts (exponential backoff, max 2 s apart) before giving up "
+                     "on the server. Default 30.")
 flags.DEFINE_integer("seed", 0, "Sampling seed (folded with the prompt id). Default 0.")
 flags.DEFINE_string("attn_impl", "auto", "Attention path: auto (Pallas on TPU), ref or pallas. Default auto.")
 flags.DEFINE_string("template", "plain", "Prompt template passed to data.render_prompt. Default plain.")
@@ -297,11 +299,11 @@ class _Stop:
 def _client(token):
   import param_server
   host, port = FLAGS.server.rsplit(":", 1)
-  return param_server.Client(host, int(port), token=token)
+  return param_server.Client(host, int(port), token=token, retries=FLAGS.server_retries)
 
 
 def run_worker():
-  import param_server  # noqa: F401  (imported here so eval mode needs no server)
+  import param_server
   stop = _Stop()
   wid = FLAGS.worker_id or f"{os.uname().nodename}-{os.getpid()}"
   token = open(FLAGS.token_file).read().strip() if FLAGS.token_file else None
@@ -319,7 +321,7 @@ def run_worker():
     return
   version, flat = got
   cfg = model.Config.from_hf_dict(json.loads(flat.pop("__config__").tobytes().decode()))
-  params = jax.tree.map(jnp.asarray, model.unflatten_params(flat))
+  params = jax.tree.map(jnp.asarray, param_server.unflatten(flat))
   engine = Engine(cfg, sc, FLAGS.slots, FLAGS.max_prompt_len, FLAGS.chunk_steps, FLAGS.attn_impl)
   engine.reset(jax.tree.leaves(params)[0].dtype)
   free = list(range(FLAGS.slots))
@@ -345,7 +347,7 @@ def run_worker():
     if got is not None:
       version, flat = got
       flat.pop("__config__", None)
-      params = jax.tree.map(jnp.asarray, model.unflatten_params(flat))
+      params = jax.tree.map(jnp.asarray, param_server.unflatten(flat))
     # Refill free slots with leased prompts (none while draining).
     if drain_deadline is None and free:
       max_g = max(1, len(free) // 8)

@@ -44,7 +44,7 @@ flags.DEFINE_string("tokenizer", None, "Tokenizer (.model or dir with tokenizer.
 flags.DEFINE_string("task", "arithmetic", "Built-in task when --train_jsonl is not given. Default arithmetic.")
 flags.DEFINE_integer("difficulty", 3, "Built-in task difficulty. Default 3.")
 flags.DEFINE_string("train_jsonl", None, "jsonl prompt file (id, prompt, answer[, task, tests]). Default none.")
-flags.DEFINE_integer("train_size", 20000, "Number of built-in training problems generated. Default 20000.")
+flags.DEFINE_integer("train_size", 8000, "Number of built-in training problems generated. Default 8000.")
 flags.DEFINE_string("template", "plain", "Prompt template (data.render_prompt). Default plain.")
 flags.DEFINE_integer("seed", 0, "Seed for data order and init. Default 0.")
 # RL.
@@ -72,6 +72,8 @@ flags.DEFINE_float("get_wait_s", 2.0, "Seconds one rollout lease call may block.
 flags.DEFINE_float("rollout_lease_s", 600.0, "Rollout lease on the server, seconds (must outlast checkpoint_every "
                    "steps). Default 600.")
 flags.DEFINE_string("attn_impl", "auto", "Attention path: auto, ref or pallas. Default auto.")
+flags.DEFINE_integer("server_retries", 30, "Reconnect attempts (exponential backoff, max 2 s apart) before giving up on "
+                     "the server. Default 30.")
 flags.DEFINE_string("mesh", "1,1,-1", "data,fsdp,tensor mesh shape; one -1 takes the remaining devices. Default 1,1,-1.")
 # Multi-process.
 flags.DEFINE_integer("num_processes", 1, "JAX processes in the trainer (0 = auto-detect on a TPU slice). Default 1.")
@@ -265,11 +267,11 @@ def problems_for_training():
   return data.make_task_problems(FLAGS.task, FLAGS.train_size, FLAGS.difficulty, seed=FLAGS.seed, split="train")
 
 
-def rl_batch(groups, adv_estimator, pad_id, buckets, std_normalize=True):
-  """Rollout groups -> host batch dict (numpy) and per-step stats.
+def rl_batch(groups, lcfg, pad_id, buckets):
+  """Rollout groups -> host batch dict (numpy), rewards [P,G], completion lengths [P,G].
 
-  Behaviour log-probs are aligned to targets: the completion token at sequence index p+j (p = prompt length)
-  is the target of position p+j-1, so its behaviour logp goes there (as data.make_batch's loss_mask).
+  Behaviour log-probs ride along as a completion extra, so they sit where loss_mask is 1: the completion token
+  at sequence index p+j (p = prompt length) is the target of position p+j-1.
   """
   prompts, comps, blp = [], [], []
   for g in groups:
@@ -277,16 +279,12 @@ def rl_batch(groups, adv_estimator, pad_id, buckets, std_normalize=True):
       prompts.append(np.asarray(g["prompt_tokens"], np.int32))
       comps.append(np.asarray(c, np.int32))
       blp.append(np.asarray(lp, np.float32))
-  b = data.make_batch(prompts, comps, buckets, pad_id)
-  behaviour = np.zeros(b["tokens"].shape, np.float32)
-  for i, (p, lp) in enumerate(zip(prompts, blp)):
-    behaviour[i, len(p) - 1:len(p) - 1 + len(lp)] = lp
+  b = data.make_batch(prompts, comps, buckets, pad_id, completion_extras={"behaviour_logp": blp})
   rewards = np.stack([np.asarray(g["rewards"], np.float32) for g in groups])  # [P,G]
   lengths = np.asarray([[len(c) for c in g["completions"]] for g in groups], np.float32)
-  adv = np.asarray(losses.compute_advantages(adv_estimator, jnp.asarray(rewards), lengths=jnp.asarray(lengths),
-                                             std_normalize=std_normalize)).reshape(-1)
-  batch = dict(tokens=b["tokens"], targets=b["targets"], positions=b["positions"], segment_ids=b["segment_ids"],
-               loss_mask=b["loss_mask"].astype(np.float32), behaviour_logp=behaviour, advantages=adv.astype(np.float32))
+  adv = np.asarray(losses.config_advantages(lcfg, jnp.asarray(rewards), jnp.asarray(lengths))).reshape(-1)
+  batch = {k: b[k] for k in BATCH_KEYS if k != "advantages"}
+  batch["advantages"] = adv.astype(np.float32)
   return batch, rewards, lengths
 
 
@@ -325,6 +323,7 @@ def run_sft():
             rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
             hidden_act="silu", torch_dtype="float32")
   cfg = model.Config.from_hf_dict(hf)
+  jax.set_mesh(mesh)
   params = model.shard_params(model.init_params(cfg, jax.random.PRNGKey(FLAGS.seed)), cfg, mesh)
   opt = make_optimizer(FLAGS.sft_lr, FLAGS.warmup_steps, FLAGS.sft_steps, FLAGS.weight_decay, FLAGS.grad_clip)
   opt_state = opt.init(params)
@@ -366,6 +365,7 @@ def run_sft():
 
 
 # Fields a prompt item and its rollout share (the worker copies them), so a stale rollout can be re-issued.
+BATCH_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "behaviour_logp", "advantages")
 PROMPT_FIELDS = ("prompt_id", "prompt", "answer", "task", "tests", "prompt_tokens")
 BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -380,7 +380,7 @@ def broadcast_batch(batch):
   """Process 0's host batch -> every process (shapes first, since broadcast needs equal shapes)."""
   if jax.process_count() == 1:
     return batch
-  keys = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "behaviour_logp", "advantages")
+  keys = BATCH_KEYS
   lead = jax.process_index() == 0
   shape = np.asarray(batch["tokens"].shape if lead else (0, 0), np.int32)
   shape = tuple(int(x) for x in multihost_utils.broadcast_one_to_all(shape))
@@ -399,14 +399,18 @@ def run_rl():
   tok = data.load_tokenizer(FLAGS.tokenizer)
   if FLAGS.init_checkpoint is None:
     raise app.UsageError("--mode=rl needs --init_checkpoint (an HF checkpoint dir)")
+  jax.set_mesh(mesh)  # activations are constrained by model.py's logical-axis table over this mesh
   cfg, init = model.load_hf_checkpoint(FLAGS.init_checkpoint, dtype=jnp.float32)
   base = losses.ALGORITHMS[FLAGS.algo]
   lcfg = dataclasses.replace(base, **parse_overrides(FLAGS.loss_override, base))
   compute_dtype = jnp.dtype(FLAGS.param_dtype)
   optimizer = make_optimizer(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps, FLAGS.weight_decay, FLAGS.grad_clip)
   params = place_params(init, cfg, mesh)  # fp32 master weights
-  opt_state = optimizer.init(params)
-  ref_params = (jax.tree.map(lambda x: x.astype(compute_dtype), params)
+  # optax may hand out one buffer for several state leaves (e.g. step counts); copies make donation safe.
+  opt_state = jax.tree.map(jnp.copy, optimizer.init(params))
+  # The frozen reference policy for the KL term; a real copy (astype to the same dtype would alias the donated
+  # params buffers).
+  ref_params = (jax.tree.map(lambda x: jnp.array(x, compute_dtype, copy=True), params)
                 if lcfg.kl_coef > 0 and lcfg.kl_mode == "loss" else None)
   stream = data.PromptStream(problems_for_training(), seed=FLAGS.seed)
   tracker = data.PassRateTracker()
@@ -430,7 +434,7 @@ def run_rl():
   if lead:
     host, port = FLAGS.server.rsplit(":", 1)
     token = open(FLAGS.token_file).read().strip() if FLAGS.token_file else None
-    client = param_server.Client(host, int(port), token=token)
+    client = param_server.Client(host, int(port), token=token, retries=FLAGS.server_retries)
     client.requeue("rollouts")  # leases held by a previous incarnation of this trainer come back now
 
   def publish():
@@ -439,7 +443,7 @@ def run_rl():
     hp = host_params(jax.tree.map(lambda x: x.astype(compute_dtype), params))  # collective
     if lead:
       state["version"] = max(state["version"], client.latest_version()) + 1
-      flat = model.flatten_params(hp)
+      flat = param_server.flatten(hp)
       flat["__config__"] = np.frombuffer(json.dumps(cfg.to_hf_dict()).encode(), np.uint8)
       client.push(state["version"], flat)
     push_s = time.time() - t
@@ -507,8 +511,9 @@ def run_rl():
     if stop_now:
       break
     wait_s = time.time() - t0
+    trained_version = state["version"]  # the weights these groups are measured against (before this push)
     if lead:
-      batch, rewards, lengths = rl_batch(groups, lcfg.advantage, tok.pad_id, BUCKETS, lcfg.std_normalize)
+      batch, rewards, lengths = rl_batch(groups, lcfg, tok.pad_id, BUCKETS)
     else:
       batch, rewards, lengths = None, None, None
     batch = broadcast_batch(batch)
@@ -517,15 +522,19 @@ def run_rl():
     m = {k: float(v) for k, v in m.items()}  # host sync: the step is done
     step_s = time.time() - t1
     state["step"] += 1
-    if state["step"] % FLAGS.push_every == 0 or state["step"] == FLAGS.steps:
+    # A restarted server may have lost our newest version (it persists weights in the background): re-publish.
+    lost = lead and client.latest_version() < state["version"]
+    if jax.process_count() > 1:
+      lost = bool(multihost_utils.broadcast_one_to_all(np.int32(lost)))
+    if state["step"] % FLAGS.push_every == 0 or state["step"] == FLAGS.steps or lost:
       publish()
     if state["step"] % FLAGS.checkpoint_every == 0 or state["step"] == FLAGS.steps:
       checkpoint()
     if lead:
-      vers = np.asarray([int(g["version"]) for g in groups])
+      lag = trained_version - np.asarray([int(g["version"]) for g in groups])
       rec = dict(step=state["step"], reward=float(rewards.mean()), pass_rate=float((rewards > 0.5).mean()),
-                 completion_len=float(lengths.mean()), staleness_mean=float((state["version"] - 1 - vers).mean()),
-                 staleness_max=int((state["version"] - 1 - vers).max()), stale_dropped=n_stale,
+                 completion_len=float(lengths.mean()), staleness_mean=float(lag.mean()),
+                 staleness_max=int(lag.max()), stale_dropped=n_stale,
                  zero_var_dropped=n_dropped, duplicates_skipped=n_dup, wait_s=wait_s, step_s=step_s,
                  push_s=push_s, tokens_per_s=float(batch["loss_mask"].sum()) / max(step_s, 1e-9),
                  version=state["version"], rollout_ids=[g["id"] for g in groups], **m)
