@@ -36,13 +36,16 @@ Design
   * Sharding: on a mesh with axes ("data", "fsdp", "tensor"), batch is split over ("data", "fsdp") and heads
     over "tensor"; attention is independent per (batch row, kv head), so each shard runs the kernel on its
     local block via jax.shard_map with no communication. The mesh is `mesh=` if given, else the context mesh
-    (jax.set_mesh); with neither the kernel sees whole arrays (single device).
+    (jax.set_mesh, as model.py uses); with neither the kernel sees whole arrays (single device). Dims that do
+    not divide follow model.py's fallback: batch drops mesh axes from the end until it divides, heads are
+    replicated over "tensor" unless both N and K divide by it.
 
 Run
   python kernels.py                      # micro-benchmark on the current backend (see README)
   python -m pytest -q tests/test_kernels.py   # interpret-mode tests on CPU (8 fake devices via conftest)
 """
 import functools
+import math
 import sys
 import time
 
@@ -478,19 +481,15 @@ def _resolve_mesh(mesh):
   return mesh
 
 
-def _mesh_axes(mesh, name, *dims):
-  """(batch axes, head axis) present in the mesh, after checking the sharded dims divide evenly."""
-  batch = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
-  head = HEAD_AXIS if HEAD_AXIS in mesh.axis_names else None
-  nb = 1
-  for a in batch:
-    nb *= mesh.shape[a]
-  nh = mesh.shape[head] if head else 1
-  B, *heads = dims
-  if B % nb or any(h % nh for h in heads):
-    raise ValueError(f"{name}: batch {B} must divide by {nb} ({'x'.join(batch)} shards) and heads {heads} by "
-                     f"{nh} ('{HEAD_AXIS}' shards) on mesh {dict(mesh.shape)}")
-  return (batch or None), head
+def _mesh_axes(mesh, B, *heads):
+  """(batch axes, head axis) to split over, with model.py's fallback rule: batch keeps ("data", "fsdp")
+  while B divides by their product (dropping axes from the end); heads split over "tensor" only if every head
+  count divides by it, else they are replicated (each tensor shard then computes all heads)."""
+  batch = [a for a in BATCH_AXES if a in mesh.axis_names]
+  while batch and B % math.prod(mesh.shape[a] for a in batch):
+    batch.pop()
+  head = HEAD_AXIS if HEAD_AXIS in mesh.axis_names and not any(h % mesh.shape[HEAD_AXIS] for h in heads) else None
+  return (tuple(batch) or None), head
 
 
 def _shard_call(fn, mesh, in_specs, out_specs, *args):
@@ -511,7 +510,7 @@ def attention(q, k, v, segment_ids=None, *, causal=True, sm_scale=None, impl="au
   mesh = _resolve_mesh(mesh)
   if mesh is None:
     return fn(q, k, v, segment_ids)
-  batch, head = _mesh_axes(mesh, "attention", q.shape[0], q.shape[2], k.shape[2])
+  batch, head = _mesh_axes(mesh, q.shape[0], q.shape[2], k.shape[2])
   qkv_spec = P(batch, None, head, None)
   if segment_ids is None:
     return _shard_call(lambda q, k, v: fn(q, k, v), mesh, (qkv_spec,) * 3, qkv_spec, q, k, v)
@@ -526,7 +525,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, impl="auto"
   mesh = _resolve_mesh(mesh)
   if mesh is None:
     return fn(q, k_cache, v_cache, lengths)
-  batch, head = _mesh_axes(mesh, "decode_attention", q.shape[0], q.shape[1], k_cache.shape[2])
+  batch, head = _mesh_axes(mesh, q.shape[0], q.shape[1], k_cache.shape[2])
   cache_spec = P(batch, None, head, None)
   return _shard_call(fn, mesh, (P(batch, head, None), cache_spec, cache_spec, P(batch)), P(batch, head, None),
                      q, k_cache, v_cache, lengths)
