@@ -60,32 +60,37 @@ def _compute_dtype(dtype):
 # Token log-probs and entropy.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _logp_entropy(logits, targets, temperature):
-  return _logp_entropy_fwd(logits, targets, temperature)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _logp_entropy(logits, targets, temperature, with_entropy):
+  return _logp_entropy_fwd(logits, targets, temperature, with_entropy)[0]
 
 
-def _logp_entropy_fwd(logits, targets, temperature):
+def _logp_entropy_fwd(logits, targets, temperature, with_entropy):
   dt = _compute_dtype(logits.dtype)
-  s = logits.astype(dt) / temperature  # under jit this fuses into each reduction below (no [B,T,V] buffer)
+  s = logits.astype(dt) / temperature  # under jit XLA may fuse this into the reductions below
   m = jnp.max(s, axis=-1)
-  lse = m + jnp.log(jnp.sum(jnp.exp(s - m[..., None]), axis=-1))
+  e = jnp.exp(s - m[..., None])
+  z = jnp.sum(e, axis=-1)
+  lse = m + jnp.log(z)
   # Gather from the raw logits, then upcast: [B,T] work instead of [B,T,V].
   tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0].astype(dt) / temperature
-  p = jnp.exp(s - lse[..., None])
-  es = jnp.sum(jnp.where(p > 0, p * s, 0), axis=-1)  # E_p[s]; where() keeps -inf logits from giving 0 * -inf
-  return (tgt - lse, lse - es), (logits, targets, lse, es)
+  es = None
+  if with_entropy:  # E_p[s]; where() keeps -inf logits from giving 0 * -inf
+    es = jnp.sum(jnp.where(e > 0, e * s, 0), axis=-1) / z
+  ent = lse - es if with_entropy else jnp.zeros_like(lse)
+  return (tgt - lse, ent), (logits, targets, lse, es)
 
 
-def _logp_entropy_bwd(temperature, res, g):
+def _logp_entropy_bwd(temperature, with_entropy, res, g):
   logits, targets, lse, es = res
   g_logp, g_ent = g
   dt = _compute_dtype(logits.dtype)
   s = logits.astype(dt) / temperature
   p = jnp.exp(s - lse[..., None])  # recomputed, not saved: the point of the custom VJP
   onehot = jnp.arange(logits.shape[-1]) == targets[..., None]
-  # d logp / ds = onehot - p ;  d H / ds = -p (s - E_p[s]).
-  ds = g_logp[..., None] * (onehot - p) - g_ent[..., None] * jnp.where(p > 0, p * (s - es[..., None]), 0)
+  ds = g_logp[..., None] * (onehot - p)  # d logp / ds = onehot - p
+  if with_entropy:  # d H / ds = -p (s - E_p[s])
+    ds = ds - g_ent[..., None] * jnp.where(p > 0, p * (s - es[..., None]), 0)
   return (ds / temperature).astype(logits.dtype), None
 
 
@@ -109,12 +114,13 @@ def token_logprobs_and_entropy(logits, targets, temperature=1.0):
   [B,T,V] in logits.dtype in one fused pass. Gradients flow to logits through both outputs.
   """
   _check_logits(logits, targets, temperature)
-  return _logp_entropy(logits, targets, float(temperature))
+  return _logp_entropy(logits, targets, float(temperature), True)
 
 
 def token_logprobs(logits, targets, temperature=1.0):
-  """log softmax(logits / temperature)[targets], fp32, [B,T]. See token_logprobs_and_entropy."""
-  return token_logprobs_and_entropy(logits, targets, temperature)[0]
+  """log softmax(logits / temperature)[targets], fp32, [B,T]. Skips the entropy pass (see README for memory)."""
+  _check_logits(logits, targets, temperature)
+  return _logp_entropy(logits, targets, float(temperature), False)[0]
 
 
 def chunked_token_logprobs(hidden, unembed, targets, chunk, temperature=1.0):
@@ -315,7 +321,7 @@ class LossConfig:
   eps_low/high     PPO / GSPO ratio clip range [1 - eps_low, 1 + eps_high] (eps_high > eps_low = DAPO clip-higher)
   dual_clip_c      dual-clip bound (> 1) for negative advantages, None = off
   cispo_eps_low/high  CISPO IS-weight clip [1 - low, 1 + high]; low=None means no lower bound (as in MiniMax-M1)
-  adv_std_normalize, adv_group_baseline, adv_eps   options of compute_advantages
+  std_normalize, group_baseline, adv_eps   options of compute_advantages
   kl_coef, kl_estimator ("k1"|"k2"|"k3"), kl_mode ("loss": + kl_coef * agg(kl); "reward": subtract
                    kl_coef * KL-to-go from the advantages)
   entropy_coef     loss -= entropy_coef * agg(entropy)
@@ -332,8 +338,8 @@ class LossConfig:
   dual_clip_c: float | None = None
   cispo_eps_low: float | None = None
   cispo_eps_high: float = 0.28
-  adv_std_normalize: bool = True
-  adv_group_baseline: bool = True
+  std_normalize: bool = True
+  group_baseline: bool = True
   adv_eps: float = 1e-6
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
@@ -406,14 +412,14 @@ ALGORITHMS = {
     # REINFORCE++-baseline (Hu 2025, arXiv 2501.03262): group-mean baseline, then global batch normalisation,
     # PPO-clip loss, token mean; the paper's k2 KL-as-loss variant (coefficient 0 here: no reference by default).
     "reinforce_pp": LossConfig(policy_loss="ppo", advantage="reinforce_pp", agg="token_mean", eps_low=0.2,
-                               eps_high=0.2, adv_group_baseline=True, kl_estimator="k2", kl_mode="loss"),
+                               eps_high=0.2, group_baseline=True, kl_estimator="k2", kl_mode="loss"),
 }
 
 
 def config_advantages(cfg, rewards, lengths=None):
   """compute_advantages(cfg.advantage, rewards, ...) with cfg's advantage options."""
-  return compute_advantages(cfg.advantage, rewards, lengths=lengths, std_normalize=cfg.adv_std_normalize,
-                            group_baseline=cfg.adv_group_baseline, eps=cfg.adv_eps)
+  return compute_advantages(cfg.advantage, rewards, lengths=lengths, std_normalize=cfg.std_normalize,
+                            group_baseline=cfg.group_baseline, eps=cfg.adv_eps)
 
 
 # ----------------------------------------------------------------------------------------------------------------
