@@ -8,8 +8,9 @@ Design choices
   sampled from: logits are divided by the sampling temperature before the log-softmax.
 - `token_logprobs_and_entropy` is a custom VJP: the forward saves only the [B,T] logsumexp and E_p[s], never a
   [B,T,V] fp32 softmax; the backward recomputes p from the logits and writes dlogits straight in the logits dtype.
-  Under jit the upcast, exp and one-hot compare fuse into the reductions (see README for measured temp bytes).
-  `chunked_token_logprobs` goes further and never forms the full [B,T,V] logits (scan over T chunks + remat).
+  Measured on XLA CPU (`python losses.py`): grad temp = 1.0 x one fp32 [B,T,V] buffer, vs 2.0 x (logp) and 3.0 x
+  (logp + entropy) for naive log_softmax autodiff. `chunked_token_logprobs` never forms the full [B,T,V] logits
+  (scan over T chunks + remat): 0.77 x, vs 2.75 x for hidden @ unembed then the dense path.
 - Every per-token quantity is masked with `jnp.where` first, so padding (any value, even inf/nan) has zero effect
   and zero gradient.
 - Policy losses are written as per-token losses, then reduced by one `aggregate` (token-mean, seq-mean-token-mean,
@@ -37,6 +38,7 @@ Public API
       -> (loss scalar, metrics dict of jnp scalars)
 
 Run the tests:  python -m pytest -q tests/test_losses.py
+Memory report:  JAX_PLATFORMS=cpu python losses.py   (compiled temp bytes of the log-prob paths vs naive autodiff)
 """
 import dataclasses
 import functools
@@ -553,3 +555,37 @@ def policy_loss(cfg, logp, old_logp, advantages, mask, *, ref_logp=None, prox_lo
       adv_mean=vmean(adv), n_tokens=jnp.sum(keep).astype(dt),
   )
   return loss, metrics
+
+
+def _memory_report(B=4, T=512, V=32768, D=512, chunk=64):
+  """Print XLA temp bytes (compiled, not run) of grad(sum logp [+ entropy]) for bf16 logits, vs naive autodiff."""
+  logits = jax.ShapeDtypeStruct((B, T, V), jnp.bfloat16)
+  targets = jnp.zeros((B, T), jnp.int32)
+  full = B * T * V * 4  # one fp32 [B,T,V] buffer
+
+  def naive(l, ent):
+    ls = jax.nn.log_softmax(l.astype(jnp.float32), axis=-1)
+    lp = jnp.take_along_axis(ls, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(lp) + (jnp.sum(-jnp.exp(ls) * ls) if ent else 0.0)
+
+  def temp(f, *args):
+    return jax.jit(jax.grad(f, argnums=tuple(range(len(args))))).lower(*args).compile().memory_analysis(
+        ).temp_size_in_bytes
+
+  hidden, w = jax.ShapeDtypeStruct((B, T, D), jnp.bfloat16), jax.ShapeDtypeStruct((D, V), jnp.bfloat16)
+  chunked = lambda h, w: sum(map(jnp.sum, chunked_token_logprobs(h, w, targets, chunk)))
+  dense = lambda h, w: sum(map(jnp.sum, token_logprobs_and_entropy(jnp.einsum("btd,dv->btv", h, w), targets)))
+  rows = [("naive log_softmax, logp", temp(lambda l: naive(l, False), logits)),
+          ("token_logprobs", temp(lambda l: jnp.sum(token_logprobs(l, targets)), logits)),
+          ("naive log_softmax, logp + entropy", temp(lambda l: naive(l, True), logits)),
+          ("token_logprobs_and_entropy", temp(lambda l: sum(map(jnp.sum, token_logprobs_and_entropy(l, targets))),
+                                              logits)),
+          (f"hidden @ unembed -> token_logprobs_and_entropy (D={D})", temp(dense, hidden, w)),
+          (f"chunked_token_logprobs (chunk={chunk}, D={D})", temp(chunked, hidden, w))]
+  print(f"{jax.default_backend()}: grad temp bytes, bf16 logits B={B} T={T} V={V}; one fp32 [B,T,V] = {full / 2**20:.0f} MiB")
+  for name, b in rows:
+    print(f"  {name:58s} {b / 2**20:8.1f} MiB  ({b / full:.2f} x fp32 [B,T,V])")
+
+
+if __name__ == "__main__":
+  _memory_report()
