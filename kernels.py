@@ -180,11 +180,27 @@ def _fwd_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
     lse_ref[...] = m_scr[...] + jnp.log(l)
 
 
+def _bwd_block(qi, kj, causal, sm_scale, bq, bk, qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+               di_ref):
+  """Shared by both backward kernels: q, dO rows [G*bq,H], recomputed probabilities P and dS [G*bq,bk]."""
+  G, _, H = q_ref.shape
+  q = q_ref[...].reshape(G * bq, H)
+  do = do_ref[...].reshape(G * bq, H)
+  s = _dot_t(q, k_ref[...]).reshape(G, bq, bk) * sm_scale
+  p = jnp.exp(s - lse_ref[...])  # exact probabilities again, from the saved fp32 log-sum-exp
+  mask = _block_mask(qi, kj, bq, bk, causal, qseg_ref, kvseg_ref)
+  if mask is not None:
+    p = jnp.where(mask[None], p, 0.0)
+  p = p.reshape(G * bq, bk)
+  dp = _dot_t(do, v_ref[...])
+  ds = p * (dp - di_ref[...].reshape(G * bq, 1))  # softmax backward: P * (dP - rowsum(dO * O))
+  return q, do, p, ds
+
+
 def _dkv_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
   (qseg_ref, kvseg_ref), refs = _split_refs(refs, has_seg)
-  q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref, dk_scr, dv_scr = refs
+  in_refs, (dk_ref, dv_ref, dk_scr, dv_scr) = refs[:6], refs[6:]
   kj, qi = pl.program_id(2), pl.program_id(3)  # kv block outer, q blocks reduced over
-  G, _, H = q_ref.shape
 
   @pl.when(qi == 0)
   def _init():
@@ -192,17 +208,9 @@ def _dkv_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
     dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
   def _compute():
-    q = q_ref[...].reshape(G * bq, H)
-    do = do_ref[...].reshape(G * bq, H)
-    s = _dot_t(q, k_ref[...]).reshape(G, bq, bk) * sm_scale
-    p = jnp.exp(s - lse_ref[...])  # recomputed probabilities, exact thanks to the saved log-sum-exp
-    mask = _block_mask(qi, kj, bq, bk, causal, qseg_ref, kvseg_ref)
-    if mask is not None:
-      p = jnp.where(mask[None], p, 0.0)
-    p = p.reshape(G * bq, bk)
-    dv_scr[...] += _dot_tn(p.astype(do.dtype), do)  # sums over the G heads sharing this kv head
-    dp = _dot_t(do, v_ref[...])
-    ds = p * (dp - di_ref[...].reshape(G * bq, 1))
+    q, do, p, ds = _bwd_block(qi, kj, causal, sm_scale, bq, bk, qseg_ref, kvseg_ref, *in_refs)
+    # Contracting over all G*bq rows sums the G query heads that share this kv head.
+    dv_scr[...] += _dot_tn(p.astype(do.dtype), do)
     dk_scr[...] += _dot_tn(ds.astype(q.dtype), q) * sm_scale
 
   _run_if(_block_visible(qi, kj, bq, bk, causal), _compute)
@@ -215,25 +223,18 @@ def _dkv_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
 
 def _dq_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
   (qseg_ref, kvseg_ref), refs = _split_refs(refs, has_seg)
-  q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dq_ref, dq_scr = refs
+  in_refs, (dq_ref, dq_scr) = refs[:6], refs[6:]
+  k_ref = in_refs[1]
   qi, kj = pl.program_id(2), pl.program_id(3)
-  G, _, H = q_ref.shape
 
   @pl.when(kj == 0)
   def _init():
     dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
 
   def _compute():
-    s = _dot_t(q_ref[...].reshape(G * bq, H), k_ref[...]).reshape(G, bq, bk) * sm_scale
-    p = jnp.exp(s - lse_ref[...])
-    mask = _block_mask(qi, kj, bq, bk, causal, qseg_ref, kvseg_ref)
-    if mask is not None:
-      p = jnp.where(mask[None], p, 0.0)
-    p = p.reshape(G * bq, bk)
-    dp = _dot_t(do_ref[...].reshape(G * bq, H), v_ref[...])
-    ds = p * (dp - di_ref[...].reshape(G * bq, 1))
+    _, _, _, ds = _bwd_block(qi, kj, causal, sm_scale, bq, bk, qseg_ref, kvseg_ref, *in_refs)
     dq = jnp.dot(ds.astype(k_ref.dtype), k_ref[...], preferred_element_type=jnp.float32) * sm_scale
-    dq_scr[...] += dq.reshape(G, bq, H)
+    dq_scr[...] += dq.reshape(dq_scr.shape)
 
   _run_if(_block_visible(qi, kj, bq, bk, causal), _compute)
 
