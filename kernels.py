@@ -372,8 +372,10 @@ def flash_attention(q, k, v, segment_ids=None, *, causal=True, sm_scale=None, bl
   _check_block("block_k", block_k)
   sm_scale = H ** -0.5 if sm_scale is None else float(sm_scale)
   G = N // K
-  # Short sequences use one (8-row aligned) block; longer ones are padded up to a multiple of the block.
-  bq, bk = min(block_q, _round_up(T, 8)), min(block_k, _round_up(S, 8))
+  # Short sequences use one block aligned to the sublane tile (8 rows of 32-bit, 16 of bf16); longer ones are
+  # padded up to a multiple of the block.
+  align = max(8, 32 // q.dtype.itemsize)
+  bq, bk = min(block_q, _round_up(T, align)), min(block_k, _round_up(S, align))
   Tp, Sp = _round_up(T, bq), _round_up(S, bk)
 
   seg = None
