@@ -356,8 +356,7 @@ def _check_block(name, block, multiple=8):
     raise ValueError(f"{name} must be a positive multiple of {multiple} (TPU sublane tiling), got {block!r}")
 
 
-def flash_attention(q, k, v, segment_ids=None, *, causal=True, sm_scale=None, block_q=128, block_k=128):
-  """Pallas flash attention on one device's arrays; same contract as attention_reference. Differentiable."""
+def _check_attention_args(q, k, v, segment_ids, causal):
   if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
     raise ValueError(f"attention wants q [B,T,N,H], k and v [B,S,K,H]; got {q.shape}, {k.shape}, {v.shape}")
   B, T, N, H = q.shape
@@ -368,8 +367,15 @@ def flash_attention(q, k, v, segment_ids=None, *, causal=True, sm_scale=None, bl
     raise ValueError(f"attention: causal or segment_ids need T == S, got T={T}, S={S}")
   if segment_ids is not None and segment_ids.shape != (B, T):
     raise ValueError(f"attention: segment_ids must be [B,T]={(B, T)}, got {segment_ids.shape}")
+
+
+def flash_attention(q, k, v, segment_ids=None, *, causal=True, sm_scale=None, block_q=128, block_k=128):
+  """Pallas flash attention on one device's arrays; same contract as attention_reference. Differentiable."""
+  _check_attention_args(q, k, v, segment_ids, causal)
   _check_block("block_q", block_q)
   _check_block("block_k", block_k)
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
   sm_scale = H ** -0.5 if sm_scale is None else float(sm_scale)
   G = N // K
   # Short sequences use one block aligned to the sublane tile (8 rows of 32-bit, 16 of bf16); longer ones are
@@ -433,18 +439,23 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_sc
     o_ref[...] = jnp.where(l > 0, acc_scr[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
 
 
-def ragged_decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, block_s=256):
-  """Pallas decode attention on one device's arrays; same contract as decode_attention_reference."""
+def _check_decode_args(q, k_cache, v_cache, lengths):
   if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
     raise ValueError(f"decode_attention wants q [B,N,H], caches [B,S,K,H]; got {q.shape}, {k_cache.shape}, "
                      f"{v_cache.shape}")
   B, N, H = q.shape
-  _, S, K, _ = k_cache.shape
-  if k_cache.shape[0] != B or k_cache.shape[3] != H or N % K:
+  if k_cache.shape[0] != B or k_cache.shape[3] != H or N % k_cache.shape[2]:
     raise ValueError(f"decode_attention: q {q.shape} and cache {k_cache.shape} disagree on B/H, or N % K != 0")
   if lengths.shape != (B,):
     raise ValueError(f"decode_attention: lengths must be [B]={(B,)}, got {lengths.shape}")
+
+
+def ragged_decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, block_s=256):
+  """Pallas decode attention on one device's arrays; same contract as decode_attention_reference."""
+  _check_decode_args(q, k_cache, v_cache, lengths)
   _check_block("block_s", block_s)
+  B, N, H = q.shape
+  _, S, K, _ = k_cache.shape
   sm_scale = H ** -0.5 if sm_scale is None else float(sm_scale)
   G = N // K
   bs = min(block_s, S)  # a block equal to the full dim is always a legal TPU block
@@ -510,6 +521,7 @@ def attention(q, k, v, segment_ids=None, *, causal=True, sm_scale=None, impl="au
   if not _use_pallas(impl):
     return attention_reference(q, k, v, segment_ids, causal=causal, sm_scale=sm_scale)
   fn = functools.partial(flash_attention, causal=causal, sm_scale=sm_scale, block_q=block_q, block_k=block_k)
+  _check_attention_args(q, k, v, segment_ids, causal)  # before shard_map, so errors name the global shapes
   mesh = _resolve_mesh(mesh)
   if mesh is None:
     return fn(q, k, v, segment_ids)
@@ -525,6 +537,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, impl="auto"
   if not _use_pallas(impl):
     return decode_attention_reference(q, k_cache, v_cache, lengths, sm_scale=sm_scale)
   fn = functools.partial(ragged_decode_attention, sm_scale=sm_scale, block_s=block_s)
+  _check_decode_args(q, k_cache, v_cache, lengths)
   mesh = _resolve_mesh(mesh)
   if mesh is None:
     return fn(q, k_cache, v_cache, lengths)

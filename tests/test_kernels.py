@@ -161,6 +161,8 @@ def test_bad_inputs_raise_clear_errors():
     kernels.attention(q, kv[:, :8], kv[:, :8], impl="pallas")
   with pytest.raises(ValueError, match="N=4 not a multiple of K=3"):
     kernels.attention(q, jnp.zeros((2, 16, 3, 32)), jnp.zeros((2, 16, 3, 32)), impl="pallas")
+  with pytest.raises(ValueError, match="segment_ids must be"):  # checked on global shapes, before shard_map
+    kernels.attention(q, kv, kv, jnp.zeros((2, 8), jnp.int32), impl="pallas", mesh=_mesh())
   with pytest.raises(ValueError, match="impl must be"):
     kernels.attention(q, kv, kv, impl="flash")
   with pytest.raises(ValueError, match="lengths must be"):
