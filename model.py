@@ -451,7 +451,10 @@ def _block(x, lp, cfg, cos, sin, attn_fn, layer_xs):
 def _run(params, cfg, tokens, positions, attn_fn, xs=None, remat=False):
   """Embed -> scan of _block over the L axis -> final norm. Returns (h [B,T,D] fp32, stacked ys)."""
   tokens = _constrain(tokens, ("batch", "seq"))
-  x = _constrain(params["embed"][tokens].astype(jnp.float32), ("batch", "seq", "act_embed"))
+  # Gather from a table whose D is not fsdp-sharded: the fsdp axis is the batch's here, and a D-sharded
+  # gather output would need an all-to-all that the partitioner can only do by full rematerialization.
+  table = _constrain(params["embed"], ("vocab", "act_embed"))
+  x = _constrain(table[tokens].astype(jnp.float32), ("batch", "seq", "act_embed"))
   cos, sin = _rope_tables(cfg, positions)
 
   def body(x, layer):
