@@ -101,6 +101,7 @@ supervise() {  # restart any child that died until the trainer writes DONE
           stop_all; exit 1
         fi
         echo "launch.sh: $name exited (rc=$rc); restart #${RESTARTS[$name]}" | tee -a "$RUN_DIR/logs/supervisor.log"
+        sleep 2  # a crash loop (bad flag, bad data) should not spin; MAX_RESTARTS ends it
         local group=("$name")
         # The trainer's JAX processes run collectives together: when one dies, restart all of them.
         [[ "$name" == trainer* ]] && group=($(printf '%s\n' "${!PIDS[@]}" | grep '^trainer'))

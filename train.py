@@ -57,6 +57,8 @@ flags.DEFINE_integer("group_size", 8, "Samples per prompt (G). Default 8.")
 flags.DEFINE_integer("prefetch_steps", 2, "Steps worth of prompts kept issued ahead of training. Default 2.")
 flags.DEFINE_integer("max_staleness", 4, "Max policy-version lag of a trained rollout. Default 4.")
 flags.DEFINE_bool("dynamic_sampling", False, "Drop zero-variance groups and refill (DAPO). Default False.")
+flags.DEFINE_integer("max_new_tokens", 8, "Workers' completion budget in tokens (DAPO overlong shaping). Default 8.")
+flags.DEFINE_float("value_coef", 0.5, "Value-loss weight (PPO with GAE only). Default 0.5.")
 flags.DEFINE_float("temperature", 1.0, "Sampling temperature the workers use (log-probs are scored at it). Default 1.0.")
 flags.DEFINE_float("lr", 1e-4, "Peak learning rate. Default 1e-4.")
 flags.DEFINE_integer("warmup_steps", 5, "Linear warmup steps, then cosine decay to 10%. Default 5.")
@@ -106,7 +108,9 @@ import model  # noqa: E402
 
 
 def make_optimizer(lr, warmup, total, weight_decay, grad_clip):
-  sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(total, warmup + 1), end_value=lr * 0.1)
+  # Warmup starts at lr/(warmup+1), not 0: the first step must already move the weights.
+  sched = optax.warmup_cosine_decay_schedule(lr / (warmup + 1), lr, max(warmup, 1), max(total, warmup + 1),
+                                             end_value=lr * 0.1)
   return optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(sched, b1=0.9, b2=0.95,
                                                                         weight_decay=weight_decay))
 
@@ -118,20 +122,34 @@ def _microbatches(batch, n):
   return jax.tree.map(lambda x: x.reshape(n, b // n, *x.shape[1:]), batch)
 
 
-def rl_loss(params, ref_params, batch, *, cfg, lcfg, temperature, compute_dtype, attn_impl):
-  p = jax.tree.map(lambda x: x.astype(compute_dtype), params)
-  logits = model.forward(p, cfg, batch["tokens"], batch["positions"], batch["segment_ids"], attn_impl=attn_impl)
-  logp, ent = losses.token_logprobs_and_entropy(logits, batch["targets"], temperature)
+def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dtype, attn_impl, value_coef):
+  """trainable = {"policy": params, "value": value head or None}. Returns (loss, metrics)."""
+  p = jax.tree.map(lambda x: x.astype(compute_dtype), trainable["policy"])
+  tok, pos, seg, mask = batch["tokens"], batch["positions"], batch["segment_ids"], batch["loss_mask"]
+  h = model.forward_hidden(p, cfg, tok, pos, seg, attn_impl=attn_impl)
+  logp, ent = losses.token_logprobs_and_entropy(model.logits_from_hidden(p, cfg, h), batch["targets"], temperature)
   ref_logp = None
   if ref_params is not None:
-    rl = model.forward(ref_params, cfg, batch["tokens"], batch["positions"], batch["segment_ids"], attn_impl=attn_impl)
-    ref_logp = jax.lax.stop_gradient(losses.token_logprobs(rl / temperature, batch["targets"]))
-  mask = batch["loss_mask"]
-  loss, m = losses.policy_loss(lcfg, logp, batch["behaviour_logp"], batch["advantages"], mask,
-                               ref_logp=ref_logp, entropy=ent)
+    ref_logits = model.forward(ref_params, cfg, tok, pos, seg, attn_impl=attn_impl)
+    ref_logp = jax.lax.stop_gradient(losses.token_logprobs(ref_logits, batch["targets"], temperature))
+  adv, extra = batch["advantages"], {}
+  if trainable["value"] is not None:
+    # PPO with a value head on the shared trunk: V(s_t) predicts the return of the sequence from position t;
+    # the outcome reward sits on the last completion position (batch["token_rewards"]).
+    vh = trainable["value"]
+    values = jnp.einsum("btd,d->bt", h.astype(jnp.float32), vh["w"]) + vh["b"]
+    adv, returns = losses.gae(batch["token_rewards"], jax.lax.stop_gradient(values), mask)
+    extra["value_loss"] = losses.value_loss(values, returns, mask)
+  # Truncated IS needs a proximal policy: with one update per batch that is the current policy (ratio 1 inside
+  # the clip), so the correction is the IS weight min(pi / mu, cap) on the behaviour samples.
+  prox = jax.lax.stop_gradient(logp) if lcfg.tis_cap is not None else None
+  loss, m = losses.policy_loss(lcfg, logp, batch["behaviour_logp"], adv, mask, ref_logp=ref_logp,
+                               prox_logp=prox, entropy=ent)
+  if extra:
+    loss = loss + value_coef * extra["value_loss"]
   # Trainer/inference mismatch on the tokens actually trained (issue 8): |logp_train - logp_infer|.
   d = jnp.abs(jax.lax.stop_gradient(logp) - batch["behaviour_logp"]) * mask
-  m = dict(m, mismatch_mean=d.sum() / jnp.maximum(mask.sum(), 1), mismatch_max=d.max())
+  m = dict(m, **extra, mismatch_mean=d.sum() / jnp.maximum(mask.sum(), 1), mismatch_max=d.max())
   return loss, m
 
 
@@ -150,7 +168,7 @@ def make_train_step(optimizer, loss_fn, grad_accum):
     g, loss, m = jax.tree.map(lambda x: x / grad_accum, (g, loss, m))
     updates, opt_state = optimizer.update(g, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, dict(m, loss=loss, grad_norm=optax.global_norm(g))
+    return params, opt_state, dict(m, loss=loss, grad_norm=optax.tree.norm(g))
   return step
 
 
@@ -267,22 +285,29 @@ def problems_for_training():
   return data.make_task_problems(FLAGS.task, FLAGS.train_size, FLAGS.difficulty, seed=FLAGS.seed, split="train")
 
 
-def rl_batch(groups, lcfg, pad_id, buckets):
+def rl_batch(groups, lcfg, pad_id, buckets, max_new_tokens):
   """Rollout groups -> host batch dict (numpy), rewards [P,G], completion lengths [P,G].
 
   Behaviour log-probs ride along as a completion extra, so they sit where loss_mask is 1: the completion token
-  at sequence index p+j (p = prompt length) is the target of position p+j-1.
+  at sequence index p+j (p = prompt length) is the target of position p+j-1.  Rewards are the verifier's plus,
+  when the algorithm asks for it, DAPO's soft overlong penalty.
   """
-  prompts, comps, blp = [], [], []
-  for g in groups:
-    for c, lp in zip(g["completions"], g["logprobs"]):
+  prompts, comps, blp, tok_r = [], [], [], []
+  rewards = np.stack([np.asarray(g["rewards"], np.float32) for g in groups])  # [P,G]
+  lengths = np.asarray([[len(c) for c in g["completions"]] for g in groups], np.float32)
+  if lcfg.overlong_buffer_frac:
+    buffer = max(1, round(lcfg.overlong_buffer_frac * max_new_tokens))
+    rewards = rewards + np.asarray(losses.overlong_shaping(lengths, max_new_tokens, buffer))
+  for g, row in zip(groups, rewards):
+    for c, lp, r in zip(g["completions"], g["logprobs"], row):
       prompts.append(np.asarray(g["prompt_tokens"], np.int32))
       comps.append(np.asarray(c, np.int32))
       blp.append(np.asarray(lp, np.float32))
-  b = data.make_batch(prompts, comps, buckets, pad_id, completion_extras={"behaviour_logp": blp})
-  rewards = np.stack([np.asarray(g["rewards"], np.float32) for g in groups])  # [P,G]
-  lengths = np.asarray([[len(c) for c in g["completions"]] for g in groups], np.float32)
-  adv = np.asarray(losses.config_advantages(lcfg, jnp.asarray(rewards), jnp.asarray(lengths))).reshape(-1)
+      tok_r.append(np.eye(1, len(c), len(c) - 1, dtype=np.float32)[0] * r)  # outcome reward on the last token
+  b = data.make_batch(prompts, comps, buckets, pad_id,
+                      completion_extras={"behaviour_logp": blp, "token_rewards": tok_r})
+  adv = np.asarray(losses.config_advantages(lcfg, jnp.asarray(rewards), jnp.asarray(lengths))).reshape(-1) \
+      if lcfg.advantage != "gae" else np.zeros(len(prompts))  # gae: computed in the step from the value head
   batch = {k: b[k] for k in BATCH_KEYS if k != "advantages"}
   batch["advantages"] = adv.astype(np.float32)
   return batch, rewards, lengths
@@ -365,7 +390,8 @@ def run_sft():
 
 
 # Fields a prompt item and its rollout share (the worker copies them), so a stale rollout can be re-issued.
-BATCH_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "behaviour_logp", "advantages")
+BATCH_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "behaviour_logp", "token_rewards",
+              "advantages")
 PROMPT_FIELDS = ("prompt_id", "prompt", "answer", "task", "tests", "prompt_tokens")
 BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -385,7 +411,7 @@ def broadcast_batch(batch):
   shape = np.asarray(batch["tokens"].shape if lead else (0, 0), np.int32)
   shape = tuple(int(x) for x in multihost_utils.broadcast_one_to_all(shape))
   dtypes = dict(tokens=np.int32, targets=np.int32, positions=np.int32, segment_ids=np.int32, loss_mask=np.float32,
-                behaviour_logp=np.float32, advantages=np.float32)
+                behaviour_logp=np.float32, token_rewards=np.float32, advantages=np.float32)
   tmpl = {k: (batch[k] if lead else np.zeros(shape[:1] if k == "advantages" else shape, dtypes[k])) for k in keys}
   return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tmpl))
 
@@ -405,13 +431,17 @@ def run_rl():
   lcfg = dataclasses.replace(base, **parse_overrides(FLAGS.loss_override, base))
   compute_dtype = jnp.dtype(FLAGS.param_dtype)
   optimizer = make_optimizer(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps, FLAGS.weight_decay, FLAGS.grad_clip)
-  params = place_params(init, cfg, mesh)  # fp32 master weights
+  policy = place_params(init, cfg, mesh)  # fp32 master weights
+  # PPO's value head (only when the advantage estimator is GAE): a linear map of the final hidden state.
+  value = (dict(w=jnp.zeros((cfg.d_model,), jnp.float32), b=jnp.zeros((), jnp.float32))
+           if lcfg.advantage == "gae" else None)
+  params = dict(policy=policy, value=value)
   # optax may hand out one buffer for several state leaves (e.g. step counts); copies make donation safe.
   opt_state = jax.tree.map(jnp.copy, optimizer.init(params))
-  # The frozen reference policy for the KL term; a real copy (astype to the same dtype would alias the donated
-  # params buffers).
-  ref_params = (jax.tree.map(lambda x: jnp.array(x, compute_dtype, copy=True), params)
-                if lcfg.kl_coef > 0 and lcfg.kl_mode == "loss" else None)
+  # The frozen reference policy for the KL term (in the loss or in the reward); a real copy, since astype to the
+  # same dtype would alias the donated params buffers.
+  ref_params = (jax.tree.map(lambda x: jnp.array(x, compute_dtype, copy=True), policy)
+                if lcfg.kl_coef > 0 else None)
   stream = data.PromptStream(problems_for_training(), seed=FLAGS.seed)
   tracker = data.PassRateTracker()
   state = dict(step=0, version=-1, seq=0, issued=0, consumed=[], rng=[FLAGS.seed, 0])
@@ -425,7 +455,8 @@ def run_rl():
     logging.info("resumed from %s at step %d", path, state["step"])
   consumed = set(state["consumed"])
   loss_fn = lambda p, r, b: rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=FLAGS.temperature,  # noqa: E731
-                                    compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl)
+                                    compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl,
+                                    value_coef=FLAGS.value_coef)
   train_step = jax.jit(make_train_step(optimizer, loss_fn, FLAGS.grad_accum), donate_argnums=(0, 1))
   bsh = NamedSharding(mesh, P(("data", "fsdp")))
   metrics = Metrics(os.path.join(FLAGS.run_dir, "metrics.jsonl"))
@@ -440,7 +471,7 @@ def run_rl():
   def publish():
     nonlocal push_s
     t = time.time()
-    hp = host_params(jax.tree.map(lambda x: x.astype(compute_dtype), params))  # collective
+    hp = host_params(jax.tree.map(lambda x: x.astype(compute_dtype), params["policy"]))  # collective
     if lead:
       state["version"] = max(state["version"], client.latest_version()) + 1
       flat = param_server.flatten(hp)
@@ -513,7 +544,7 @@ def run_rl():
     wait_s = time.time() - t0
     trained_version = state["version"]  # the weights these groups are measured against (before this push)
     if lead:
-      batch, rewards, lengths = rl_batch(groups, lcfg, tok.pad_id, BUCKETS)
+      batch, rewards, lengths = rl_batch(groups, lcfg, tok.pad_id, BUCKETS, FLAGS.max_new_tokens)
     else:
       batch, rewards, lengths = None, None, None
     batch = broadcast_batch(batch)
@@ -543,7 +574,7 @@ def run_rl():
       bar.set_postfix(reward=f"{rec['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", ent=f"{m.get('entropy', 0):.3f}")
   checkpoint()
   if state["step"] >= FLAGS.steps:
-    hp = host_params(params)
+    hp = host_params(params["policy"])
     if lead:
       out = os.path.join(FLAGS.run_dir, "final")
       model.save_hf_checkpoint(out + ".tmp", cfg, hp)

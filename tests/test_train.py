@@ -1,0 +1,172 @@
+"""train.py pieces in-process: every algorithm steps, grad accumulation, sharded == unsharded, checkpoints,
+multi-process (gloo) training, and launch.sh's pod commands."""
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import losses
+import model
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = model.Config(vocab_size=32, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, ffw_dim=64,
+                   tie_embeddings=True)
+
+
+def groups(n_prompts=2, G=4, seed=0):
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n_prompts):
+    comps = [rng.integers(4, 32, rng.integers(1, 6)).astype(np.int32) for _ in range(G)]
+    out.append(dict(id=f"s{i}", prompt_tokens=rng.integers(4, 32, 3 + i).astype(np.int32), completions=comps,
+                    logprobs=[(-rng.random(len(c))).astype(np.float32) for c in comps],
+                    rewards=rng.integers(0, 2, G).astype(np.float32)))
+  return out
+
+
+def setup(lcfg, mesh=(1, 1, 1), grad_accum=1):
+  m = model.make_mesh(*mesh)
+  jax.set_mesh(m)
+  policy = model.shard_params(model.init_params(CFG, jax.random.PRNGKey(0)), CFG, m)
+  value = dict(w=jnp.zeros((CFG.d_model,)), b=jnp.zeros(())) if lcfg.advantage == "gae" else None
+  params = dict(policy=policy, value=value)
+  opt = train.make_optimizer(1e-2, 1, 10, 0.0, 1.0)
+  opt_state = jax.tree.map(jnp.copy, opt.init(params))
+  ref = jax.tree.map(lambda x: jnp.array(x, copy=True), policy) if lcfg.kl_coef > 0 else None
+  fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=CFG, lcfg=lcfg, temperature=1.0,  # noqa: E731
+                                     compute_dtype=jnp.float32, attn_impl="ref", value_coef=0.5)
+  step = jax.jit(train.make_train_step(opt, fn, grad_accum))
+  batch, _, _ = train.rl_batch(groups(), lcfg, 0, (16,), 8)
+  return params, opt_state, ref, step, train.to_global(batch, NamedSharding(m, P(("data", "fsdp")))), batch
+
+
+@pytest.mark.parametrize("algo", sorted(losses.ALGORITHMS))
+def test_every_algorithm_takes_a_finite_step(algo):
+  lcfg = losses.ALGORITHMS[algo]
+  params, opt_state, ref, step, gb, _ = setup(lcfg)
+  new, _, m = step(params, opt_state, ref, gb)
+  assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
+  moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), new["policy"], params["policy"])
+  assert max(jax.tree.leaves(moved)) > 0
+  if algo == "ppo":
+    assert "value_loss" in m and float(jnp.abs(new["value"]["w"]).max()) > 0
+
+
+def test_batch_alignment_and_overlong_shaping():
+  lcfg = losses.ALGORITHMS["dapo"]
+  g = groups()
+  batch, rewards, lengths = train.rl_batch(g, lcfg, 0, (16,), max_new_tokens=5)
+  i = 0
+  for grp in g:
+    p = len(grp["prompt_tokens"])
+    for c, lp in zip(grp["completions"], grp["logprobs"]):
+      np.testing.assert_array_equal(batch["targets"][i, p - 1:p - 1 + len(c)], c)
+      np.testing.assert_array_equal(batch["behaviour_logp"][i, p - 1:p - 1 + len(c)], lp)
+      assert batch["loss_mask"][i].sum() == len(c)
+      i += 1
+  # buffer = round(0.2 * 5) = 1: a 5-token completion (at the budget) loses 1, shorter ones nothing.
+  raw = np.stack([grp["rewards"] for grp in g])
+  np.testing.assert_allclose(rewards - raw, np.where(lengths >= 5, -1.0, 0.0))
+
+
+def test_grad_accumulation_averages_micro_batch_gradients():
+  lcfg = dataclasses.replace(losses.ALGORITHMS["grpo"], kl_coef=0.0)
+  p0, o0, _, s2, gb, _ = setup(lcfg, grad_accum=2)
+  fn = lambda p, bb: train.rl_loss(p, None, bb, cfg=CFG, lcfg=lcfg, temperature=1.0, compute_dtype=jnp.float32,
+                                   attn_impl="ref", value_coef=0.5)[0]
+  half = jax.tree.map(lambda x: x.reshape(2, x.shape[0] // 2, *x.shape[1:]), gb)
+  grads = [jax.grad(fn)(p0, jax.tree.map(lambda x, i=i: x[i], half)) for i in range(2)]
+  g = jax.tree.map(lambda a, b: (a + b) / 2, *grads)
+  opt = train.make_optimizer(1e-2, 1, 10, 0.0, 1.0)
+  upd, _ = opt.update(g, o0, p0)
+  want = jax.tree.map(lambda p, u: p + u, p0, upd)
+  got, _, m = s2(p0, o0, None, gb)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6), want, got)
+  losses_ = [float(fn(p0, jax.tree.map(lambda x, i=i: x[i], half))) for i in range(2)]
+  np.testing.assert_allclose(float(m["loss"]), np.mean(losses_), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 8, 1), (1, 1, 8)])
+def test_sharded_step_equals_single_device(mesh):
+  lcfg = losses.ALGORITHMS["grpo"]
+  p1, o1, r1, s1, gb1, _ = setup(lcfg, (1, 1, 1))
+  want, _, m1 = s1(p1, o1, r1, gb1)
+  p8, o8, r8, s8, gb8, _ = setup(lcfg, mesh)
+  got, _, m8 = s8(p8, o8, r8, gb8)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6), want, got)
+  np.testing.assert_allclose(float(m1["loss"]), float(m8["loss"]), rtol=1e-5, atol=1e-7)
+
+
+def test_checkpoint_roundtrip_is_exact(tmp_path):
+  lcfg = losses.ALGORITHMS["ppo"]
+  params, opt_state, ref, step, gb, _ = setup(lcfg)
+  params, opt_state, _ = step(params, opt_state, ref, gb)
+  state = dict(step=3, consumed=["s0", "s1"], seq=7)
+  d = str(tmp_path / "ckpt")
+  os.makedirs(d)
+  for s in (1, 2, 3):
+    train.save_checkpoint(d, s, params, opt_state, dict(state, step=s), keep=2)
+  assert sorted(os.listdir(d)) == ["00000002", "00000003"]  # bounded, and no temp dirs left behind
+  path = train.latest_checkpoint(d)
+  p2, o2, st = train.load_checkpoint(path, params, opt_state)
+  assert st == dict(state, step=3)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), (params, opt_state), (p2, o2))
+  with pytest.raises(ValueError, match="tensors, expected"):
+    train.load_checkpoint(path, params["policy"], opt_state)
+
+
+def test_loss_overrides_are_typed_and_validated():
+  base = losses.ALGORITHMS["grpo"]
+  o = train.parse_overrides(["kl_coef=0.0", "eps_high=0.28", "tis_cap=2", "agg=token_mean"], base)
+  assert o == dict(kl_coef=0.0, eps_high=0.28, tis_cap=2.0, agg="token_mean")
+  dataclasses.replace(base, **o)
+  with pytest.raises(ValueError, match="bad --loss_override"):
+    train.parse_overrides(["nope=1"], base)
+
+
+def _sft(run_dir, tok_path, extra=()):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--mode=sft", f"--run_dir={run_dir}",
+         f"--tokenizer={tok_path}", "--sft_steps=3", "--sft_batch=8", "--difficulty=1", "--train_size=50",
+         "--model_config=d_model=32,n_layers=1,n_heads=2,n_kv_heads=1,ffw_dim=64", *extra]
+  return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_process_gloo_training_equals_one_process(tmp_path):
+  import data
+  tok = data.build_task_tokenizer(str(tmp_path), "arithmetic", seed=0)
+  one = _sft(tmp_path / "one", tok)
+  out1 = one.communicate(timeout=300)[0]
+  assert one.returncode == 0, out1[-2000:]
+  port = 20000 + os.getpid() % 20000
+  procs = [_sft(tmp_path / "two", tok, [f"--num_processes=2", f"--process_id={i}", f"--coordinator=127.0.0.1:{port}",
+                                       "--mesh=1,2,1"]) for i in range(2)]
+  outs = [p.communicate(timeout=300)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outs)
+  _, a = model.load_hf_checkpoint(str(tmp_path / "one" / "base"))
+  _, b = model.load_hf_checkpoint(str(tmp_path / "two" / "base"))
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5), a, b)
+
+
+def test_launch_pod_dry_run_prints_per_host_commands():
+  out = subprocess.run(["bash", "launch.sh", "v5p-1024", "--tpu=rl", "--zone=us-east5-a", "--dry_run"], cwd=ROOT,
+                       capture_output=True, text=True, check=True).stdout
+  assert "256 trainer hosts on rl (4 chips each)" in out
+  lines = [l for l in out.splitlines() if l.startswith("gcloud")]
+  assert len(lines) == 3
+  assert "--worker=0" in lines[0] and "param_server.py --host=0.0.0.0" in lines[0]
+  assert "rl --zone=us-east5-a --worker=all" in lines[1] and "train.py" in lines[1] and "--num_processes=0" in lines[1]
+  assert "rl-infer --zone=us-east5-a --worker=all" in lines[2] and "rollout.py" in lines[2]
+  v6 = subprocess.run(["bash", "launch.sh", "v6e-8", "--tpu=x", "--zone=z", "--dry_run"], cwd=ROOT,
+                      capture_output=True, text=True, check=True).stdout
+  assert "1 trainer hosts on x (8 chips each)" in v6
+  bad = subprocess.run(["bash", "launch.sh", "v5p-64", "--dry_run"], cwd=ROOT, capture_output=True, text=True)
+  assert bad.returncode == 2 and "--tpu=NAME --zone=ZONE" in bad.stderr
