@@ -252,36 +252,40 @@ def evaluate(cfg, params, tok, problems, *, n_samples, ks, sc, slots, seed, temp
 from absl import app, flags, logging  # noqa: E402  (flags only in the entry point, below the library part)
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "worker", ["worker", "eval"], "worker: serve the RL run; eval: pass@k of --checkpoint.")
-flags.DEFINE_string("server", "127.0.0.1:5555", "Parameter server host:port. Default 127.0.0.1:5555.")
-flags.DEFINE_string("token_file", None, "File holding the server's shared secret (needed to lease/put). Default none.")
-flags.DEFINE_string("tokenizer", None, "Tokenizer: sentencepiece .model or a dir with tokenizer.json. Required.")
-flags.DEFINE_string("checkpoint", None, "HF checkpoint dir (eval mode; worker mode waits for pushed weights).")
-flags.DEFINE_string("worker_id", None, "Name used in logs and rollout records. Default host-pid.")
-flags.DEFINE_integer("slots", 32, "Concurrent sequences in the decode batch. Default 32.")
-flags.DEFINE_integer("chunk_steps", 8, "Decode steps between host syncs (refill granularity). Default 8.")
-flags.DEFINE_integer("max_prompt_len", 64, "Longest prompt in tokens. Default 64.")
-flags.DEFINE_integer("max_new_tokens", 16, "Completion budget in tokens. Default 16.")
-flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy). Default 1.0.")
-flags.DEFINE_integer("top_k", 0, "Top-k truncation (0 = off). Default 0.")
-flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) mass (1 = off). Default 1.0.")
-flags.DEFINE_integer("max_staleness", 4, "Regenerate groups more than this many policy versions old. Default 4.")
-flags.DEFINE_float("lease_s", 120.0, "Seconds a leased prompt stays ours before the server re-issues it. Default 120.")
-flags.DEFINE_float("drain_s", 10.0, "On SIGTERM, seconds spent finishing in-flight groups. Default 10.")
-flags.DEFINE_integer("verifier_workers", 2, "Verifier process-pool size. Default 2.")
-flags.DEFINE_float("verifier_timeout_s", 10.0, "Per-completion verifier timeout in seconds. Default 10.")
-flags.DEFINE_integer("server_retries", 30, "Reconnect attempts (exponential backoff, max 2 s apart) before giving up "
-                     "on the server. Default 30.")
-flags.DEFINE_integer("seed", 0, "Sampling seed (folded with the prompt id). Default 0.")
-flags.DEFINE_string("attn_impl", "auto", "Attention path: auto (Pallas on TPU), ref or pallas. Default auto.")
-flags.DEFINE_string("template", "plain", "Prompt template passed to data.render_prompt. Default plain.")
-# Eval mode.
-flags.DEFINE_string("eval_task", "arithmetic", "Built-in task for eval (ignored with --eval_jsonl). Default arithmetic.")
-flags.DEFINE_integer("eval_difficulty", 3, "Built-in task difficulty for eval. Default 3.")
-flags.DEFINE_string("eval_jsonl", None, "Held-out jsonl prompts instead of a built-in task. Default none.")
-flags.DEFINE_integer("eval_n", 200, "Number of held-out problems. Default 200.")
-flags.DEFINE_integer("k", 8, "Samples per problem; reports pass@1 and pass@k. Default 8.")
-flags.DEFINE_string("out", None, "Write eval metrics as JSON here. Default none.")
+
+def define_flags():
+  """Flags exist only when this file is the entry point: importing it (tests, other tools) defines none, so
+  train.py and rollout.py can be imported together."""
+  flags.DEFINE_enum("mode", "worker", ["worker", "eval"], "worker: serve the RL run; eval: pass@k of --checkpoint.")
+  flags.DEFINE_string("server", "127.0.0.1:5555", "Parameter server host:port. Default 127.0.0.1:5555.")
+  flags.DEFINE_string("token_file", None, "File holding the server's shared secret (needed to lease/put). Default none.")
+  flags.DEFINE_string("tokenizer", None, "Tokenizer: sentencepiece .model or a dir with tokenizer.json. Required.")
+  flags.DEFINE_string("checkpoint", None, "HF checkpoint dir (eval mode; worker mode waits for pushed weights).")
+  flags.DEFINE_string("worker_id", None, "Name used in logs and rollout records. Default host-pid.")
+  flags.DEFINE_integer("slots", 32, "Concurrent sequences in the decode batch. Default 32.")
+  flags.DEFINE_integer("chunk_steps", 8, "Decode steps between host syncs (refill granularity). Default 8.")
+  flags.DEFINE_integer("max_prompt_len", 64, "Longest prompt in tokens. Default 64.")
+  flags.DEFINE_integer("max_new_tokens", 16, "Completion budget in tokens. Default 16.")
+  flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy). Default 1.0.")
+  flags.DEFINE_integer("top_k", 0, "Top-k truncation (0 = off). Default 0.")
+  flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) mass (1 = off). Default 1.0.")
+  flags.DEFINE_integer("max_staleness", 4, "Regenerate groups more than this many policy versions old. Default 4.")
+  flags.DEFINE_float("lease_s", 120.0, "Seconds a leased prompt stays ours before the server re-issues it. Default 120.")
+  flags.DEFINE_float("drain_s", 10.0, "On SIGTERM, seconds spent finishing in-flight groups. Default 10.")
+  flags.DEFINE_integer("verifier_workers", 2, "Verifier process-pool size. Default 2.")
+  flags.DEFINE_float("verifier_timeout_s", 10.0, "Per-completion verifier timeout in seconds. Default 10.")
+  flags.DEFINE_integer("server_retries", 30, "Reconnect attempts (exponential backoff, max 2 s apart) before giving up "
+                       "on the server. Default 30.")
+  flags.DEFINE_integer("seed", 0, "Sampling seed (folded with the prompt id). Default 0.")
+  flags.DEFINE_string("attn_impl", "auto", "Attention path: auto (Pallas on TPU), ref or pallas. Default auto.")
+  flags.DEFINE_string("template", "plain", "Prompt template passed to data.render_prompt. Default plain.")
+  # Eval mode.
+  flags.DEFINE_string("eval_task", "arithmetic", "Built-in task for eval (ignored with --eval_jsonl). Default arithmetic.")
+  flags.DEFINE_integer("eval_difficulty", 3, "Built-in task difficulty for eval. Default 3.")
+  flags.DEFINE_string("eval_jsonl", None, "Held-out jsonl prompts instead of a built-in task. Default none.")
+  flags.DEFINE_integer("eval_n", 200, "Number of held-out problems. Default 200.")
+  flags.DEFINE_integer("k", 8, "Samples per problem; reports pass@1 and pass@k. Default 8.")
+  flags.DEFINE_string("out", None, "Write eval metrics as JSON here. Default none.")
 
 
 class _Stop:
@@ -429,4 +433,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -34,61 +34,65 @@ import time
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "rl", ["rl", "sft"], "rl: RL from rollouts; sft: supervised warm-start. Default rl.")
-flags.DEFINE_string("run_dir", "runs/local", "Directory for checkpoints, metrics and the final model. Default runs/local.")
-flags.DEFINE_string("server", "127.0.0.1:5555", "Parameter server host:port. Default 127.0.0.1:5555.")
-flags.DEFINE_string("token_file", None, "File with the server's shared secret (push needs it). Default none.")
-flags.DEFINE_string("init_checkpoint", None, "HF checkpoint dir of the initial policy (rl mode). Required for rl.")
-flags.DEFINE_string("tokenizer", None, "Tokenizer (.model or dir with tokenizer.json). Required.")
-# Data.
-flags.DEFINE_string("task", "arithmetic", "Built-in task when --train_jsonl is not given. Default arithmetic.")
-flags.DEFINE_integer("difficulty", 3, "Built-in task difficulty. Default 3.")
-flags.DEFINE_string("train_jsonl", None, "jsonl prompt file (id, prompt, answer[, task, tests]). Default none.")
-flags.DEFINE_integer("train_size", 8000, "Number of built-in training problems generated. Default 8000.")
-flags.DEFINE_string("template", "plain", "Prompt template (data.render_prompt). Default plain.")
-flags.DEFINE_integer("seed", 0, "Seed for data order and init. Default 0.")
-# RL.
-flags.DEFINE_string("algo", "grpo", "Loss preset from losses.ALGORITHMS (grpo, dr_grpo, dapo, gspo, cispo, ppo, rloo, "
-                    "reinforce_pp). Default grpo.")
-flags.DEFINE_multi_string("loss_override", [], "field=value overrides of the LossConfig, e.g. kl_coef=0.01. Default none.")
-flags.DEFINE_integer("steps", 100, "Optimizer steps in the run. Default 100.")
-flags.DEFINE_integer("prompts_per_step", 16, "Prompt groups per optimizer step. Default 16.")
-flags.DEFINE_integer("group_size", 8, "Samples per prompt (G). Default 8.")
-flags.DEFINE_integer("prefetch_steps", 2, "Steps worth of prompts kept issued ahead of training. Default 2.")
-flags.DEFINE_integer("max_staleness", 4, "Max policy-version lag of a trained rollout. Default 4.")
-flags.DEFINE_bool("dynamic_sampling", False, "Drop zero-variance groups and refill (DAPO). Default False.")
-flags.DEFINE_integer("max_new_tokens", 8, "Workers' completion budget in tokens (DAPO overlong shaping). Default 8.")
-flags.DEFINE_float("value_coef", 0.5, "Value-loss weight (PPO with GAE only). Default 0.5.")
-flags.DEFINE_float("temperature", 1.0, "Sampling temperature the workers use (log-probs are scored at it). Default 1.0.")
-flags.DEFINE_float("lr", 1e-4, "Peak learning rate. Default 1e-4.")
-flags.DEFINE_integer("warmup_steps", 5, "Linear warmup steps, then cosine decay to 10%. Default 5.")
-flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay. Default 0.")
-flags.DEFINE_float("grad_clip", 1.0, "Global-norm gradient clip. Default 1.0.")
-flags.DEFINE_integer("grad_accum", 1, "Micro-batches per optimizer step. Default 1.")
-flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"], "Compute/worker weight dtype (master stays fp32). "
-                  "Default float32.")
-flags.DEFINE_integer("push_every", 1, "Push weights every N steps. Default 1.")
-flags.DEFINE_integer("checkpoint_every", 10, "Checkpoint (and ack) every N steps. Default 10.")
-flags.DEFINE_integer("keep_checkpoints", 2, "Checkpoints kept on disk. Default 2.")
-flags.DEFINE_float("get_wait_s", 2.0, "Seconds one rollout lease call may block. Default 2.")
-flags.DEFINE_float("rollout_lease_s", 600.0, "Rollout lease on the server, seconds (must outlast checkpoint_every "
-                   "steps). Default 600.")
-flags.DEFINE_string("attn_impl", "auto", "Attention path: auto, ref or pallas. Default auto.")
-flags.DEFINE_integer("server_retries", 30, "Reconnect attempts (exponential backoff, max 2 s apart) before giving up on "
-                     "the server. Default 30.")
-flags.DEFINE_string("mesh", "1,1,-1", "data,fsdp,tensor mesh shape; one -1 takes the remaining devices. Default 1,1,-1.")
-# Multi-process.
-flags.DEFINE_integer("num_processes", 1, "JAX processes in the trainer (0 = auto-detect on a TPU slice). Default 1.")
-flags.DEFINE_integer("process_id", 0, "This process's index. Default 0.")
-flags.DEFINE_string("coordinator", "127.0.0.1:12355", "jax.distributed coordinator host:port. Default 127.0.0.1:12355.")
-# SFT warm-start (the demo's base policy).
-flags.DEFINE_integer("sft_steps", 300, "SFT steps. Default 300.")
-flags.DEFINE_integer("sft_batch", 64, "SFT sequences per step. Default 64.")
-flags.DEFINE_float("sft_lr", 3e-3, "SFT peak learning rate. Default 3e-3.")
-flags.DEFINE_string("sft_out", None, "Where SFT writes its HF checkpoint. Default <run_dir>/base.")
-flags.DEFINE_string("model_config", "d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,ffw_dim=512",
-                    "Tiny model shape for SFT from scratch. Default d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,"
-                    "ffw_dim=512.")
+
+def define_flags():
+  """Flags exist only when this file is the entry point: importing it (tests, other tools) defines none, so
+  train.py and rollout.py can be imported together."""
+  flags.DEFINE_enum("mode", "rl", ["rl", "sft"], "rl: RL from rollouts; sft: supervised warm-start. Default rl.")
+  flags.DEFINE_string("run_dir", "runs/local", "Directory for checkpoints, metrics and the final model. Default runs/local.")
+  flags.DEFINE_string("server", "127.0.0.1:5555", "Parameter server host:port. Default 127.0.0.1:5555.")
+  flags.DEFINE_string("token_file", None, "File with the server's shared secret (push needs it). Default none.")
+  flags.DEFINE_string("init_checkpoint", None, "HF checkpoint dir of the initial policy (rl mode). Required for rl.")
+  flags.DEFINE_string("tokenizer", None, "Tokenizer (.model or dir with tokenizer.json). Required.")
+  # Data.
+  flags.DEFINE_string("task", "arithmetic", "Built-in task when --train_jsonl is not given. Default arithmetic.")
+  flags.DEFINE_integer("difficulty", 3, "Built-in task difficulty. Default 3.")
+  flags.DEFINE_string("train_jsonl", None, "jsonl prompt file (id, prompt, answer[, task, tests]). Default none.")
+  flags.DEFINE_integer("train_size", 8000, "Number of built-in training problems generated. Default 8000.")
+  flags.DEFINE_string("template", "plain", "Prompt template (data.render_prompt). Default plain.")
+  flags.DEFINE_integer("seed", 0, "Seed for data order and init. Default 0.")
+  # RL.
+  flags.DEFINE_string("algo", "grpo", "Loss preset from losses.ALGORITHMS (grpo, dr_grpo, dapo, gspo, cispo, ppo, rloo, "
+                      "reinforce_pp). Default grpo.")
+  flags.DEFINE_multi_string("loss_override", [], "field=value overrides of the LossConfig, e.g. kl_coef=0.01. Default none.")
+  flags.DEFINE_integer("steps", 100, "Optimizer steps in the run. Default 100.")
+  flags.DEFINE_integer("prompts_per_step", 16, "Prompt groups per optimizer step. Default 16.")
+  flags.DEFINE_integer("group_size", 8, "Samples per prompt (G). Default 8.")
+  flags.DEFINE_integer("prefetch_steps", 2, "Steps worth of prompts kept issued ahead of training. Default 2.")
+  flags.DEFINE_integer("max_staleness", 4, "Max policy-version lag of a trained rollout. Default 4.")
+  flags.DEFINE_bool("dynamic_sampling", False, "Drop zero-variance groups and refill (DAPO). Default False.")
+  flags.DEFINE_integer("max_new_tokens", 8, "Workers' completion budget in tokens (DAPO overlong shaping). Default 8.")
+  flags.DEFINE_float("value_coef", 0.5, "Value-loss weight (PPO with GAE only). Default 0.5.")
+  flags.DEFINE_float("temperature", 1.0, "Sampling temperature the workers use (log-probs are scored at it). Default 1.0.")
+  flags.DEFINE_float("lr", 1e-4, "Peak learning rate. Default 1e-4.")
+  flags.DEFINE_integer("warmup_steps", 5, "Linear warmup steps, then cosine decay to 10%. Default 5.")
+  flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay. Default 0.")
+  flags.DEFINE_float("grad_clip", 1.0, "Global-norm gradient clip. Default 1.0.")
+  flags.DEFINE_integer("grad_accum", 1, "Micro-batches per optimizer step. Default 1.")
+  flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"], "Compute/worker weight dtype (master stays fp32). "
+                    "Default float32.")
+  flags.DEFINE_integer("push_every", 1, "Push weights every N steps. Default 1.")
+  flags.DEFINE_integer("checkpoint_every", 10, "Checkpoint (and ack) every N steps. Default 10.")
+  flags.DEFINE_integer("keep_checkpoints", 2, "Checkpoints kept on disk. Default 2.")
+  flags.DEFINE_float("get_wait_s", 2.0, "Seconds one rollout lease call may block. Default 2.")
+  flags.DEFINE_float("rollout_lease_s", 600.0, "Rollout lease on the server, seconds (must outlast checkpoint_every "
+                     "steps). Default 600.")
+  flags.DEFINE_string("attn_impl", "auto", "Attention path: auto, ref or pallas. Default auto.")
+  flags.DEFINE_integer("server_retries", 30, "Reconnect attempts (exponential backoff, max 2 s apart) before giving up on "
+                       "the server. Default 30.")
+  flags.DEFINE_string("mesh", "1,1,-1", "data,fsdp,tensor mesh shape; one -1 takes the remaining devices. Default 1,1,-1.")
+  # Multi-process.
+  flags.DEFINE_integer("num_processes", 1, "JAX processes in the trainer (0 = auto-detect on a TPU slice). Default 1.")
+  flags.DEFINE_integer("process_id", 0, "This process's index. Default 0.")
+  flags.DEFINE_string("coordinator", "127.0.0.1:12355", "jax.distributed coordinator host:port. Default 127.0.0.1:12355.")
+  # SFT warm-start (the demo's base policy).
+  flags.DEFINE_integer("sft_steps", 300, "SFT steps. Default 300.")
+  flags.DEFINE_integer("sft_batch", 64, "SFT sequences per step. Default 64.")
+  flags.DEFINE_float("sft_lr", 3e-3, "SFT peak learning rate. Default 3e-3.")
+  flags.DEFINE_string("sft_out", None, "Where SFT writes its HF checkpoint. Default <run_dir>/base.")
+  flags.DEFINE_string("model_config", "d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,ffw_dim=512",
+                      "Tiny model shape for SFT from scratch. Default d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,"
+                      "ffw_dim=512.")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -457,7 +461,10 @@ def run_rl():
   loss_fn = lambda p, r, b: rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=FLAGS.temperature,  # noqa: E731
                                     compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl,
                                     value_coef=FLAGS.value_coef)
-  train_step = jax.jit(make_train_step(optimizer, loss_fn, FLAGS.grad_accum), donate_argnums=(0, 1))
+  # Pin the outputs to the inputs' shardings: XLA would otherwise leave updated params/moments replicated.
+  shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+  train_step = jax.jit(make_train_step(optimizer, loss_fn, FLAGS.grad_accum), donate_argnums=(0, 1),
+                       out_shardings=(*shardings, None))
   bsh = NamedSharding(mesh, P(("data", "fsdp")))
   metrics = Metrics(os.path.join(FLAGS.run_dir, "metrics.jsonl"))
 
@@ -596,4 +603,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
