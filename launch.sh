@@ -13,7 +13,8 @@
 #                                    NAME-infer), each using its local chips. --dry_run prints the exact commands.
 #
 # local flags: --run_dir=runs/local --workers=2 --trainer_procs=1 --steps=N --init_checkpoint=HF_DIR
-#   --tokenizer=PATH --train_jsonl=F --eval_jsonl=F --port=5555 --worker_args="--lease_s=30 ..." --skip_eval;
+#   --tokenizer=PATH --train_jsonl=F --eval_jsonl=F --port=5555 --max_new_tokens=8 --template=plain
+#   --worker_args="--lease_s=30 ..." --skip_eval;
 #   anything after "--" goes to train.py.
 # Layout of a run dir: logs/<role>.log, pids/<role>.pid, token (server secret), tokenizer-arithmetic.model, base/ (HF
 # checkpoint of the warm-started policy), ckpt/ (trainer), server/ (server persistence), final/, eval_*.json.
@@ -39,7 +40,7 @@ setup_venv() {
 # local: supervised processes on this machine
 
 RUN_DIR=runs/local; WORKERS=2; TRAINER_PROCS=1; PORT=5555; STEPS=""; INIT_CKPT=""; TOKENIZER=""
-TRAIN_JSONL=""; EVAL_JSONL=""; EXTRA=(); WORKER_ARGS=""; SKIP_EVAL=0
+TRAIN_JSONL=""; EVAL_JSONL=""; EXTRA=(); WORKER_ARGS=""; SKIP_EVAL=0; MAX_NEW=8; TEMPLATE=plain
 parse_local_flags() {
   while [ $# -gt 0 ]; do
     case "$1" in
@@ -53,6 +54,8 @@ parse_local_flags() {
       --train_jsonl=*) TRAIN_JSONL="${1#*=}" ;;
       --eval_jsonl=*) EVAL_JSONL="${1#*=}" ;;
       --worker_args=*) WORKER_ARGS="${1#*=}" ;;
+      --max_new_tokens=*) MAX_NEW="${1#*=}" ;;
+      --template=*) TEMPLATE="${1#*=}" ;;
       --skip_eval) SKIP_EVAL=1 ;;
       --) shift; EXTRA=("$@"); return ;;
       *) echo "launch.sh local: unknown flag $1 (train.py flags go after --)" >&2; exit 2 ;;
@@ -63,7 +66,7 @@ parse_local_flags() {
 
 # Defaults of the built-in demo: one place, so that README numbers come from exactly these settings.
 DEMO_TASK_FLAGS=(--task=arithmetic --difficulty=3)
-DEMO_EVAL_FLAGS=(--eval_task=arithmetic --eval_difficulty=3 --eval_n=200 --k=8 --max_new_tokens=8 --temperature=1.0)
+DEMO_EVAL_FLAGS=(--eval_task=arithmetic --eval_difficulty=3 --eval_n=200 --k=8 --temperature=1.0)
 
 declare -A CMDS=() PIDS=() RESTARTS=()
 start_role() {  # start_role NAME CMD...: background it, log and pidfile under the run dir
@@ -134,7 +137,7 @@ run_local() {
     "$PY" train.py --mode=sft --run_dir="$RUN_DIR" --tokenizer="$TOKENIZER" "${DEMO_TASK_FLAGS[@]}" \
       >"$RUN_DIR/logs/sft.log" 2>&1 || { tail -20 "$RUN_DIR/logs/sft.log"; exit 1; }
   fi
-  local eval_flags=("${DEMO_EVAL_FLAGS[@]}")
+  local eval_flags=("${DEMO_EVAL_FLAGS[@]}" --max_new_tokens="$MAX_NEW" --template="$TEMPLATE")
   [ -n "$EVAL_JSONL" ] && eval_flags+=(--eval_jsonl="$EVAL_JSONL")
   if [ $SKIP_EVAL = 0 ] && [ ! -f "$RUN_DIR/eval_before.json" ]; then
     echo "== pass@k of the base policy on held-out problems"
@@ -148,7 +151,8 @@ run_local() {
     trap 'stop_all; exit 130' INT TERM
     start_role server "$PY" param_server.py --port="$PORT" --token_file="$RUN_DIR/token" --run_dir="$RUN_DIR/server"
     local train=("$PY" train.py --run_dir="$RUN_DIR" --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token"
-                 --init_checkpoint="$base" --tokenizer="$TOKENIZER" "${DEMO_TASK_FLAGS[@]}")
+                 --init_checkpoint="$base" --tokenizer="$TOKENIZER" "${DEMO_TASK_FLAGS[@]}"
+                 --max_new_tokens="$MAX_NEW" --template="$TEMPLATE")
     [ -n "$STEPS" ] && train+=(--steps="$STEPS")
     [ -n "$TRAIN_JSONL" ] && train+=(--train_jsonl="$TRAIN_JSONL")
     local i
@@ -160,7 +164,7 @@ run_local() {
     done
     for i in $(seq 0 $((WORKERS - 1))); do
       start_role "worker$i" "$PY" rollout.py --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token" \
-        --tokenizer="$TOKENIZER" --worker_id="worker$i" --seed="$i" --max_new_tokens=8 $WORKER_ARGS
+        --tokenizer="$TOKENIZER" --worker_id="worker$i" --seed="$i" --max_new_tokens="$MAX_NEW" $WORKER_ARGS
     done
     # The trainer's tqdm bar goes to its log; show it here while we supervise.
     tail -n 0 -F "$RUN_DIR/logs/trainer0.log" 2>/dev/null | tr '\r' '\n' | grep --line-buffered -E "it/s|s/it" &
