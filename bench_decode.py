@@ -1,0 +1,219 @@
+"""Benchmark: decode tokens/s of rollout.Engine against Hugging Face `transformers` generate, same run, on CPU.
+
+What is measured (both sides on one checkpoint directory, the same B prompts of P random tokens, N new tokens
+per prompt, greedy, no early stop):
+  ours  rollout.Engine(cfg, SamplingConfig(temperature=0, max_new_tokens=N, stop_ids=()), slots=B,
+        max_prompt_len=P, chunk_steps=C): B inserts (each a batch-1 prefill broadcast into its slot, as the
+        worker does) then run_chunk until no slot is active (one host sync per chunk).  Compile time is
+        excluded by a full warm-up pass with the same shapes.  stop_ids=() so every slot makes exactly N tokens;
+        when C does not divide N the last chunk's extra steps are paid for (that is the engine's real cost).
+  hf    AutoModelForCausalLM.from_pretrained(dir, dtype=float32).generate(input_ids [B,P], max_new_tokens=N,
+        min_new_tokens=N, do_sample=False, use_cache=True) in torch fp32 on CPU, timed at each
+        torch.set_num_threads(t) for t in --hf_threads (default 1 and the core count; XLA's CPU backend uses
+        one thread per core), and compared at its faster setting: on a loaded box torch's OpenMP threads
+        spin-wait on each other and 2 threads can be ~10x slower per small matmul than 1.  Its prefill is timed
+        as generate with max_new_tokens=1; its decode time is the difference.
+Reported per side: prefill s, decode s, end-to-end s and tokens/s = B*N / time (decode-only tokens/s uses the
+tokens made after the prefill: B*N for ours, B*(N-1) for hf, whose first token comes out of the prefill),
+best and median over --reps rounds that alternate ours/hf so both see the same load; ratios ours/hf use the
+best times.  `greedy_match` compares the two sides' [B,N] greedy tokens (fraction of equal tokens and whether
+all are equal).  Without --checkpoint a random-init Qwen2-style checkpoint of the shape flags is written with
+model.save_hf_checkpoint to a temp dir.
+
+Needs torch and transformers (in requirements-dev.txt; the rest of the repo does not).
+
+  python bench_decode.py                                   # defaults: B=8, P=64, N=64, D=384, L=4, V=2048
+  python bench_decode.py --checkpoint=runs/local/base --batch=16 --new_tokens=32 --json=decode.json
+  python bench_decode.py --quick                           # tiny smoke run (tests/test_bench.py)
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import model
+import rollout
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--checkpoint", default=None, help="HF checkpoint dir to benchmark (dir); default: write a "
+                 "random-init Qwen2-style one from the shape flags to a temp dir")
+  p.add_argument("--d_model", type=int, default=384, help="model width D (units) of the generated checkpoint")
+  p.add_argument("--n_layers", type=int, default=4, help="layers L (count) of the generated checkpoint")
+  p.add_argument("--n_heads", type=int, default=6, help="query heads N (count) of the generated checkpoint")
+  p.add_argument("--n_kv_heads", type=int, default=2, help="kv heads K (count) of the generated checkpoint")
+  p.add_argument("--ffw_dim", type=int, default=1024, help="MLP width F (units) of the generated checkpoint")
+  p.add_argument("--vocab", type=int, default=2048, help="vocab V (tokens) of the generated checkpoint")
+  p.add_argument("--batch", type=int, default=8, help="prompts decoded together B (sequences)")
+  p.add_argument("--prompt_len", type=int, default=64, help="prompt length P (tokens, all prompts equal)")
+  p.add_argument("--new_tokens", type=int, default=64, help="new tokens per prompt N (tokens, no early stop)")
+  p.add_argument("--chunk_steps", type=int, default=8, help="Engine decode steps per host sync C (steps; "
+                 "rollout.py's default)")
+  p.add_argument("--hf_threads", default=None, help="comma-separated torch thread counts to time hf at "
+                 "(threads); default 1 and os.cpu_count()")
+  p.add_argument("--reps", type=int, default=3, help="timed rounds per side, alternating (count)")
+  p.add_argument("--seed", type=int, default=0, help="seed for weights and prompts (int)")
+  p.add_argument("--json", default=None, help="write the results as JSON to this path (file)")
+  p.add_argument("--quick", action="store_true", help="tiny shapes, 1 round, hf at 1 thread unless "
+                 "--hf_threads; for tests (overrides the shape flags)")
+  a = p.parse_args(argv)
+  if a.quick:
+    a.d_model, a.n_layers, a.n_heads, a.n_kv_heads, a.ffw_dim, a.vocab = 64, 2, 4, 2, 128, 256
+    a.batch, a.prompt_len, a.new_tokens, a.chunk_steps, a.reps = 2, 8, 8, 4, 1
+    a.hf_threads = a.hf_threads or "1"
+  try:
+    a.hf_threads = sorted({int(t) for t in (a.hf_threads or f"1,{os.cpu_count()}").split(",")})
+  except ValueError:
+    p.error(f"--hf_threads must be comma-separated ints, got {a.hf_threads!r}")
+  if min(a.hf_threads) < 1:
+    p.error(f"--hf_threads must be >= 1, got {a.hf_threads}")
+  for f in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffw_dim", "vocab", "batch", "prompt_len",
+            "new_tokens", "chunk_steps", "reps"):
+    if getattr(a, f) < 1:
+      p.error(f"--{f} must be >= 1, got {getattr(a, f)}")
+  if a.d_model % a.n_heads or (a.d_model // a.n_heads) % 2:
+    p.error(f"--d_model={a.d_model} must split into --n_heads={a.n_heads} heads of even size")
+  return a
+
+
+def random_params(cfg, seed):
+  """init_params-style weights (N(0, 0.02) matrices, unit norms) drawn with numpy: jitting jax.random init
+  costs ~10 s of compile on a busy 2-core box.  Biases are N(0, 0.02) too, so the QKV-bias path is exercised."""
+  rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.PRNGKey(0)))  # structure only, no compute
+  return jax.tree.map_with_path(
+      lambda path, s: jnp.asarray(np.ones(s.shape, np.float32) if "norm" in path[-1].key
+                                  else 0.02 * rng.standard_normal(s.shape, np.float32)), shapes)
+
+
+def make_checkpoint(a, path):
+  """Random-init Qwen2-style model (QKV bias, tied embeddings) saved as an HF checkpoint dir."""
+  cfg = model.Config(vocab_size=a.vocab, d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads,
+                     n_kv_heads=a.n_kv_heads, head_dim=a.d_model // a.n_heads, ffw_dim=a.ffw_dim,
+                     tie_embeddings=True, qkv_bias=True, arch="Qwen2ForCausalLM",
+                     max_position_embeddings=max(512, a.prompt_len + a.new_tokens))
+  model.save_hf_checkpoint(path, cfg, random_params(cfg, a.seed))
+
+
+def run_ours(engine, params, prompts, dtype):
+  """One full generation; returns (prefill s, decode s, tokens [B,N])."""
+  B = len(prompts)
+  engine.reset(dtype)
+  jax.block_until_ready(engine.state)
+  keys = jnp.zeros((1, 2), jnp.uint32)  # greedy: keys unused
+  t0 = time.perf_counter()
+  for b in range(B):
+    engine.insert(params, [b], prompts[b], keys)
+  jax.block_until_ready(engine.state)
+  t1 = time.perf_counter()
+  while engine.run_chunk(params).any():  # run_chunk's host sync ends each chunk
+    pass
+  toks, _, n = engine.rows(list(range(B)))
+  t2 = time.perf_counter()
+  assert (n == engine.M).all(), n  # stop_ids=() so every slot generated exactly N tokens
+  return t1 - t0, t2 - t1, toks
+
+
+def run_hf(hf_model, torch, input_ids, n_new):
+  """generate N tokens (prefill + N-1 decode forwards) and 1 token (prefill); returns (prefill s, total s, toks)."""
+  kw = dict(do_sample=False, use_cache=True, attention_mask=torch.ones_like(input_ids), pad_token_id=0)
+  with torch.inference_mode():
+    t0 = time.perf_counter()
+    hf_model.generate(input_ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    t1 = time.perf_counter()
+    out = hf_model.generate(input_ids, max_new_tokens=n_new, min_new_tokens=n_new, **kw)
+    t2 = time.perf_counter()
+  return t1 - t0, t2 - t1, out[:, input_ids.shape[1]:].numpy()
+
+
+def side(rows, B, N, n_decoded):
+  """Timing rows [(prefill s, decode s, ...)] -> summary dict (best = min time; tokens/s = B*N / time)."""
+  pre, dec = [r[0] for r in rows], [r[1] for r in rows]
+  tot = [p + d for p, d in zip(pre, dec)]
+  return dict(prefill_s_best=min(pre), decode_s_best=min(dec), total_s_best=min(tot),
+              total_s_median=statistics.median(tot), tokens_per_s=B * N / min(tot),
+              tokens_per_s_median=B * N / statistics.median(tot),
+              decode_tokens_per_s=n_decoded / min(dec) if n_decoded else float("nan"))
+
+
+def main(argv=None):
+  a = parse_args(argv)
+  import torch
+  import transformers
+  with tempfile.TemporaryDirectory() as tmp:
+    ckpt = a.checkpoint
+    if ckpt is None:
+      ckpt = os.path.join(tmp, "ckpt")
+      make_checkpoint(a, ckpt)
+    cfg, params = model.load_hf_checkpoint(ckpt, dtype=jnp.float32)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+  B, P, N = a.batch, a.prompt_len, a.new_tokens
+  rng = np.random.default_rng(a.seed)
+  prompts = rng.integers(0, cfg.vocab_size, (B, P)).astype(np.int32)
+  input_ids = torch.from_numpy(prompts.astype(np.int64))
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  print(f"model {cfg.arch} D={cfg.d_model} L={cfg.n_layers} N={cfg.n_heads} K={cfg.n_kv_heads} "
+        f"F={cfg.ffw_dim} V={cfg.vocab_size} ({n_params / 1e6:.2f} M params, fp32); B={B} P={P} N={N} "
+        f"chunk_steps={a.chunk_steps}; cores={os.cpu_count()}, hf threads {a.hf_threads} (torch "
+        f"{torch.__version__}, transformers {transformers.__version__}, jax {jax.__version__})")
+
+  sc = rollout.SamplingConfig(temperature=0.0, max_new_tokens=N, stop_ids=())
+  engine = rollout.Engine(cfg, sc, slots=B, max_prompt_len=P, chunk_steps=a.chunk_steps)
+  t = time.perf_counter()
+  run_ours(engine, params, prompts, jnp.float32)  # compiles insert (this prompt bucket) and the chunk
+  compile_s = time.perf_counter() - t
+  for th in a.hf_threads:  # warm-up (allocator, kernels)
+    torch.set_num_threads(th)
+    run_hf(hf_model, torch, input_ids, N)
+
+  ours, hf = [], {th: [] for th in a.hf_threads}
+  for _ in range(a.reps):  # alternate so every side sees the same background load
+    ours.append(run_ours(engine, params, prompts, jnp.float32))
+    for th in a.hf_threads:
+      torch.set_num_threads(th)
+      hf[th].append(run_hf(hf_model, torch, input_ids, N))
+
+  o = side(ours, B, N, B * N)
+  # hf's "decode" (total - prefill-only run) makes N-1 tokens: its first one comes out of the prefill.
+  h_all = {th: side([(p, t - p) for p, t, _ in rows], B, N, B * (N - 1)) for th, rows in hf.items()}
+  best_th = max(h_all, key=lambda th: h_all[th]["tokens_per_s"])
+  h = dict(h_all[best_th], threads=best_th)
+  equal = ours[-1][2] == hf[best_th][-1][2]
+  res = dict(
+      config=dict(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                  ffw_dim=cfg.ffw_dim, vocab=cfg.vocab_size, n_params=int(n_params), batch=B, prompt_len=P,
+                  new_tokens=N, chunk_steps=a.chunk_steps, reps=a.reps, cores=os.cpu_count(),
+                  hf_threads=a.hf_threads, checkpoint=a.checkpoint, loadavg_1m=os.getloadavg()[0]),
+      ours=dict(o, compile_s=compile_s), hf=h, hf_by_threads={str(th): r for th, r in h_all.items()},
+      ratio_tokens_per_s=o["tokens_per_s"] / h["tokens_per_s"],
+      ratio_decode_tokens_per_s=o["decode_tokens_per_s"] / h["decode_tokens_per_s"],
+      ratio_prefill_time=o["prefill_s_best"] / h["prefill_s_best"],
+      greedy_match=bool(equal.all()), greedy_match_fraction=float(equal.mean()))
+
+  rows = [("ours", o)] + [(f"hf@{th}t", r) for th, r in h_all.items()]
+  for name, r in rows:
+    print(f"{name:7s} prefill {r['prefill_s_best'] * 1e3:8.1f} ms  decode {r['decode_s_best'] * 1e3:8.1f} ms  "
+          f"end-to-end {r['tokens_per_s']:8.1f} tok/s (median {r['tokens_per_s_median']:.1f})  "
+          f"decode-only {r['decode_tokens_per_s']:8.1f} tok/s")
+  print(f"ours compile (excluded): {compile_s:.1f} s; load avg (1 min) {res['config']['loadavg_1m']:.2f}")
+  print(f"ratio ours/hf (hf at its faster {best_th} thread(s)): end-to-end tok/s {res['ratio_tokens_per_s']:.2f}x, "
+        f"decode-only tok/s {res['ratio_decode_tokens_per_s']:.2f}x; prefill time ours/hf "
+        f"{res['ratio_prefill_time']:.2f}")
+  print(f"greedy_match={res['greedy_match']} ({equal.sum()}/{equal.size} tokens equal)")
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump(res, f, indent=1)
+  return res
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

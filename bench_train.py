@@ -1,0 +1,228 @@
+"""Benchmark: achieved FLOP/s of train.py's RL training step against this machine's measured matmul peak.
+
+What is measured, in one run:
+  peak   the best of --matmul_reps timings of a jitted fp32 [n,n] x [n,n] jnp matmul (2 n^3 FLOPs), warmed up
+         first: the ceiling XLA's CPU backend reaches on this box.  Also timed: the model's largest matmul
+         shape ([B*T,D] x [D,F], the MLP up-projection) as the ceiling for matmuls of this size.
+  step   train.make_train_step(train.make_optimizer(...), train.rl_loss, grad_accum=1) jitted with donated
+         params/optimizer state exactly as train.run_rl builds it, fp32, on one device, losses.ALGORITHMS
+         [--algo] (GRPO by default; --kl_coef > 0 adds the frozen reference forward, as the trainer does) on a
+         synthetic batch from train.rl_batch: B/G groups of G completions, prompts of T/2 and completions of T/2
+         random tokens, so every row is exactly T tokens (no padding).  Compile is excluded (one warm-up step);
+         best and median of --steps steps, each ended by a host sync on its outputs.
+Model FLOPs per step (the MFU convention of PaLM, arXiv 2204.02311, App. B: matmuls only, no recompute):
+  per-token forward  f = 2 * (L * (D*N*H + 2*D*K*H + N*H*D + 3*D*F) + D*V) + 4 * L * N*H * T
+                     (QKV/O and SwiGLU projections, the lm head, and QK^T plus PV over all T keys: the jnp
+                     attention on CPU computes the full T x T block, masked)
+  step               B * T * (3 * f  [forward + 2x backward]  + f if kl_coef > 0  [reference forward])
+achieved FLOP/s = model FLOPs / best step time; fraction = achieved / measured peak.  Also tokens/s (B*T / s).
+
+  python bench_train.py                                  # defaults: D=256, L=4, V=2048, B=16, T=128
+  python bench_train.py --batch=32 --seq_len=256 --json=train.json
+  python bench_train.py --quick                          # tiny smoke run (tests/test_bench.py)
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+
+import bench_decode  # random_params
+import losses
+import model
+import train  # defines absl flags at import; nothing here parses or reads them
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--matmul_n", type=int, default=2048, help="peak matmul size n (units) of [n,n] x [n,n] fp32")
+  p.add_argument("--matmul_reps", type=int, default=5, help="timed peak matmuls, best is kept (count)")
+  p.add_argument("--d_model", type=int, default=256, help="model width D (units)")
+  p.add_argument("--n_layers", type=int, default=4, help="layers L (count)")
+  p.add_argument("--n_heads", type=int, default=4, help="query heads N (count)")
+  p.add_argument("--n_kv_heads", type=int, default=2, help="kv heads K (count)")
+  p.add_argument("--ffw_dim", type=int, default=1024, help="MLP width F (units)")
+  p.add_argument("--vocab", type=int, default=2048, help="vocab V (tokens)")
+  p.add_argument("--batch", type=int, default=16, help="sequences per step B (sequences)")
+  p.add_argument("--seq_len", type=int, default=128, help="tokens per sequence T (tokens; half prompt, half "
+                 "completion)")
+  p.add_argument("--group_size", type=int, default=4, help="completions per prompt G (sequences; divides B)")
+  p.add_argument("--algo", default="grpo", help=f"loss preset, one of {sorted(losses.ALGORITHMS)} (name)")
+  p.add_argument("--kl_coef", type=float, default=None, help="override the preset's KL coefficient (float; "
+                 "default: the preset's, 0.04 for grpo); > 0 adds a reference forward to each step")
+  p.add_argument("--steps", type=int, default=5, help="timed training steps after the warm-up (count)")
+  p.add_argument("--seed", type=int, default=0, help="seed for weights and data (int)")
+  p.add_argument("--json", default=None, help="write the results as JSON to this path (file)")
+  p.add_argument("--quick", action="store_true", help="tiny shapes, 2 steps, kl_coef 0 unless "
+                 "--kl_coef; for tests (overrides the shape flags)")
+  a = p.parse_args(argv)
+  if a.quick:
+    a.matmul_n, a.matmul_reps, a.steps = 256, 2, 2
+    a.d_model, a.n_layers, a.n_heads, a.n_kv_heads, a.ffw_dim, a.vocab = 64, 2, 4, 2, 128, 256
+    a.batch, a.seq_len, a.group_size = 4, 32, 2
+    a.kl_coef = 0.0 if a.kl_coef is None else a.kl_coef  # no reference forward: a third less to compile
+  for f in ("matmul_n", "matmul_reps", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffw_dim", "vocab",
+            "batch", "group_size", "steps"):
+    if getattr(a, f) < 1:
+      p.error(f"--{f} must be >= 1, got {getattr(a, f)}")
+  if a.seq_len < 2 or a.seq_len % 2:
+    p.error(f"--seq_len must be even and >= 2 (half prompt, half completion), got {a.seq_len}")
+  if a.batch % a.group_size:
+    p.error(f"--group_size={a.group_size} must divide --batch={a.batch}")
+  if a.d_model % a.n_heads or (a.d_model // a.n_heads) % 2:
+    p.error(f"--d_model={a.d_model} must split into --n_heads={a.n_heads} heads of even size")
+  if a.algo not in losses.ALGORITHMS:
+    p.error(f"--algo={a.algo!r} is not one of {sorted(losses.ALGORITHMS)}")
+  return a
+
+
+def best_time(fn, args, reps):
+  """(best, median) seconds of fn(*args) over reps calls, each synced; one untimed warm-up call first."""
+  jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t)
+  return min(ts), statistics.median(ts)
+
+
+def matmul_flops_per_s(m, k, n, reps, seed):
+  """Best fp32 FLOP/s of a jitted [m,k] x [k,n] matmul (2*m*k*n FLOPs)."""
+  kx, ky = jax.random.split(jax.random.PRNGKey(seed))
+  x, y = jax.random.normal(kx, (m, k)), jax.random.normal(ky, (k, n))
+  best, _ = best_time(jax.jit(jnp.matmul), (x, y), reps)
+  return 2 * m * k * n / best
+
+
+def forward_flops_per_token(cfg, T):
+  """Matmul FLOPs of one token's forward (see the module docstring)."""
+  D, N, K, H, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffw_dim, cfg.n_layers
+  proj = L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F) + D * cfg.vocab_size
+  return 2 * proj + 4 * L * N * H * T
+
+
+def jaxpr_matmul_flops(jaxpr):
+  """2 * M*N*K summed over every dot_general in a (Closed)Jaxpr, scan bodies times their length, cond
+  branches at their largest: an independent count of the program actually traced (XLA's cost_analysis
+  counts a scan body once, so it cannot check an L-layer scan)."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  total = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (contract, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+    subs = [jaxpr_matmul_flops(j) for j in jax.extend.core.jaxprs_in_params(eqn.params)]
+    if subs:
+      inner = max(subs) if eqn.primitive.name == "cond" else sum(subs)
+      total += inner * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+  return total
+
+
+def synthetic_groups(a, rng):
+  """B/G rollout groups in the shape rollout.py sends: prompt T/2 tokens, G completions of T/2 tokens each."""
+  half, V = a.seq_len // 2, a.vocab
+  groups = []
+  for _ in range(a.batch // a.group_size):
+    rewards = rng.integers(0, 2, a.group_size).astype(np.float32)
+    rewards[0] = 1.0 - rewards[-1]  # non-zero group variance, so GRPO advantages are not all zero
+    groups.append(dict(
+        prompt_tokens=rng.integers(0, V, half).astype(np.int32),
+        completions=[rng.integers(0, V, half).astype(np.int32) for _ in range(a.group_size)],
+        # Near-uniform random-init policy: behaviour log-probs of about -log V keep the PPO ratio near 1.
+        logprobs=[(-np.log(V) + 0.01 * rng.standard_normal(half)).astype(np.float32)
+                  for _ in range(a.group_size)],
+        rewards=rewards))
+  return groups
+
+
+def main(argv=None):
+  a = parse_args(argv)
+  rng = np.random.default_rng(a.seed)
+  peak = matmul_flops_per_s(a.matmul_n, a.matmul_n, a.matmul_n, a.matmul_reps, a.seed)
+
+  cfg = model.Config(vocab_size=a.vocab, d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads,
+                     n_kv_heads=a.n_kv_heads, head_dim=a.d_model // a.n_heads, ffw_dim=a.ffw_dim,
+                     tie_embeddings=True, qkv_bias=True, arch="Qwen2ForCausalLM")
+  B, T = a.batch, a.seq_len
+  shape_peak = matmul_flops_per_s(B * T, cfg.d_model, cfg.ffw_dim, a.matmul_reps, a.seed)
+  base = losses.ALGORITHMS[a.algo]
+  lcfg = base if a.kl_coef is None else dataclasses.replace(base, kl_coef=a.kl_coef)
+  if lcfg.advantage == "gae":
+    raise ValueError(f"--algo={a.algo}: the value-head (GAE) path is not benchmarked; pick a group algorithm")
+  policy = bench_decode.random_params(cfg, a.seed)
+  n_params = sum(x.size for x in jax.tree.leaves(policy))
+  params = dict(policy=policy, value=None)
+  optimizer = train.make_optimizer(1e-4, 5, 100, 0.0, 1.0)
+  # As in train.run_rl: copies make donation safe where optax shares buffers between state leaves.
+  # Setup under jit: eagerly, every small op would compile on its own (seconds in all on a busy box).
+  opt_state = jax.jit(lambda p: jax.tree.map(jnp.copy, optimizer.init(p)))(params)
+  ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(policy) if lcfg.kl_coef > 0 else None
+  loss_fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0,  # noqa: E731
+                                          compute_dtype=jnp.float32, attn_impl="auto", value_coef=0.5)
+  step = jax.jit(train.make_train_step(optimizer, loss_fn, 1), donate_argnums=(0, 1))
+  batch, _, _ = train.rl_batch(synthetic_groups(a, rng), lcfg, 0, (T,), T // 2)
+  assert batch["tokens"].shape == (B, T), batch["tokens"].shape
+  batch = jax.tree.map(jnp.asarray, batch)
+
+  t = time.perf_counter()
+  params, opt_state, m = step(params, opt_state, ref_params, batch)
+  jax.block_until_ready((params, m))
+  compile_s = time.perf_counter() - t
+  times = []
+  for _ in range(a.steps):
+    t = time.perf_counter()
+    params, opt_state, m = step(params, opt_state, ref_params, batch)
+    jax.block_until_ready((params, m))  # the host sync the trainer does when it reads the metrics
+    times.append(time.perf_counter() - t)
+  loss = float(m["loss"])
+  if not np.isfinite(loss):
+    raise RuntimeError(f"training step produced a non-finite loss {loss}")
+
+  f_tok = forward_flops_per_token(cfg, T)
+  step_flops = B * T * f_tok * (3 + (lcfg.kl_coef > 0))
+  # Cross-check of the formula against the traced step (tracing only, no compile).
+  traced = jaxpr_matmul_flops(jax.make_jaxpr(train.make_train_step(optimizer, loss_fn, 1))(
+      params, opt_state, ref_params, batch))
+  best, med = min(times), statistics.median(times)
+  res = dict(
+      config=dict(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                  ffw_dim=cfg.ffw_dim, vocab=cfg.vocab_size, n_params=int(n_params), batch=B, seq_len=T,
+                  group_size=a.group_size, algo=a.algo, kl_coef=lcfg.kl_coef, steps=a.steps,
+                  matmul_n=a.matmul_n, cores=os.cpu_count(), loadavg_1m=os.getloadavg()[0]),
+      peak_matmul_flops_per_s=peak, model_shape_matmul_flops_per_s=shape_peak,
+      step_flops=step_flops, traced_matmul_flops=traced, step_s_best=best, step_s_median=med, compile_s=compile_s,
+      achieved_flops_per_s=step_flops / best, achieved_flops_per_s_median=step_flops / med,
+      fraction_of_peak=step_flops / best / peak, fraction_of_model_shape_matmul=step_flops / best / shape_peak,
+      tokens_per_s=B * T / best, completion_tokens_per_s=float(batch["loss_mask"].sum()) / best, loss=loss)
+
+  print(f"model D={cfg.d_model} L={cfg.n_layers} N={cfg.n_heads} K={cfg.n_kv_heads} F={cfg.ffw_dim} "
+        f"V={cfg.vocab_size} ({n_params / 1e6:.2f} M params, fp32, tied embeddings); batch {B}x{T} tokens; "
+        f"{a.algo} kl_coef={lcfg.kl_coef}; cores={os.cpu_count()} (jax {jax.__version__})")
+  print(f"peak matmul fp32 {a.matmul_n}^3: {peak / 1e9:8.2f} GFLOP/s   model-shape matmul "
+        f"[{B * T},{cfg.d_model}]x[{cfg.d_model},{cfg.ffw_dim}]: {shape_peak / 1e9:.2f} GFLOP/s")
+  print(f"train step: {step_flops / 1e9:.3f} GFLOP model FLOPs (traced program's matmuls: "
+        f"{traced / 1e9:.3f} GFLOP), best {best * 1e3:.1f} ms, median "
+        f"{med * 1e3:.1f} ms, compile {compile_s:.1f} s (excluded)")
+  print(f"achieved {res['achieved_flops_per_s'] / 1e9:8.2f} GFLOP/s = {res['fraction_of_peak']:.1%} of measured "
+        f"peak ({res['fraction_of_model_shape_matmul']:.1%} of the model-shape matmul); "
+        f"{res['tokens_per_s']:.0f} tokens/s ({res['completion_tokens_per_s']:.0f} completion tokens/s); "
+        f"load avg (1 min) {res['config']['loadavg_1m']:.2f}")
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump(res, f, indent=1)
+  return res
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,87 @@
+"""bench_decode.py and bench_train.py run end to end (--quick) and report sane, self-consistent figures."""
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import bench_decode
+import bench_train
+import losses
+import model
+import train
+
+
+def _positive(x):
+  return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_decode_quick(tmp_path):
+  out = tmp_path / "decode.json"
+  res = bench_decode.main(["--quick", f"--json={out}"])
+  got = json.loads(out.read_text())
+  assert set(got) == {"config", "ours", "hf", "hf_by_threads", "ratio_tokens_per_s", "ratio_decode_tokens_per_s",
+                      "ratio_prefill_time", "greedy_match", "greedy_match_fraction"}
+  assert got["ratio_tokens_per_s"] == pytest.approx(res["ratio_tokens_per_s"])
+  for side in ("ours", "hf"):
+    for k in ("prefill_s_best", "decode_s_best", "total_s_best", "tokens_per_s", "decode_tokens_per_s"):
+      assert _positive(got[side][k]), (side, k, got[side][k])
+    # tokens/s is B*N over the measured end-to-end time, not a separately invented number.
+    c = got["config"]
+    assert got[side]["tokens_per_s"] == pytest.approx(c["batch"] * c["new_tokens"] / got[side]["total_s_best"])
+  assert got["ratio_tokens_per_s"] == pytest.approx(got["ours"]["tokens_per_s"] / got["hf"]["tokens_per_s"])
+  assert list(got["hf_by_threads"]) == ["1"] and got["hf"]["threads"] == 1
+  # Same fp32 checkpoint, same prompts, greedy: the engine and transformers make the same tokens.
+  assert got["greedy_match"] and got["greedy_match_fraction"] == 1.0
+
+
+def test_bench_train_quick(tmp_path):
+  out = tmp_path / "train.json"
+  bench_train.main(["--quick", f"--json={out}"])
+  got = json.loads(out.read_text())
+  for k in ("peak_matmul_flops_per_s", "model_shape_matmul_flops_per_s", "step_flops", "step_s_best",
+            "achieved_flops_per_s", "fraction_of_peak", "tokens_per_s", "completion_tokens_per_s"):
+    assert _positive(got[k]), (k, got[k])
+  # The analytic model-FLOP formula equals the matmul FLOPs of the traced training step (fwd + bwd).
+  assert got["step_flops"] == got["traced_matmul_flops"]
+  c = got["config"]
+  assert got["tokens_per_s"] == pytest.approx(c["batch"] * c["seq_len"] / got["step_s_best"])
+  assert got["fraction_of_peak"] == pytest.approx(got["achieved_flops_per_s"] / got["peak_matmul_flops_per_s"])
+  assert got["fraction_of_peak"] < 5  # a FLOP count off by an order of magnitude would show here
+  assert math.isfinite(got["loss"])
+
+
+def test_train_flops_count_the_reference_forward():
+  # kl_coef > 0: the step runs a 4th forward (frozen reference); the formula and the trace must both see it.
+  # Tracing only (abstract params), no compile.
+  a = bench_train.parse_args(["--quick", "--kl_coef=0.04"])
+  cfg = model.Config(vocab_size=a.vocab, d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads,
+                     n_kv_heads=a.n_kv_heads, head_dim=a.d_model // a.n_heads, ffw_dim=a.ffw_dim,
+                     tie_embeddings=True)
+  lcfg = dataclasses.replace(losses.ALGORITHMS["grpo"], kl_coef=0.04)
+  params = jax.eval_shape(lambda: dict(policy=model.init_params(cfg, jax.random.PRNGKey(0)), value=None))
+  opt = train.make_optimizer(1e-4, 5, 100, 0.0, 1.0)
+  loss_fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0,  # noqa: E731
+                                          compute_dtype=jnp.float32, attn_impl="auto", value_coef=0.5)
+  batch, _, _ = train.rl_batch(bench_train.synthetic_groups(a, np.random.default_rng(0)), lcfg, 0,
+                               (a.seq_len,), a.seq_len // 2)
+  jaxpr = jax.make_jaxpr(train.make_train_step(opt, loss_fn, 1))(
+      params, jax.eval_shape(opt.init, params), params["policy"], batch)
+  assert bench_train.jaxpr_matmul_flops(jaxpr) == a.batch * a.seq_len * 4 * bench_train.forward_flops_per_token(
+      cfg, a.seq_len)
+
+
+@pytest.mark.parametrize("mod,argv", [
+    (bench_train, ["--batch=6", "--group_size=4"]),
+    (bench_train, ["--seq_len=7"]),
+    (bench_train, ["--algo=nope"]),
+    (bench_decode, ["--hf_threads=1,x"]),
+    (bench_decode, ["--d_model=30", "--n_heads=4"]),
+])
+def test_bad_flags_are_rejected(mod, argv, capsys):
+  with pytest.raises(SystemExit):
+    mod.parse_args(argv)
+  assert argv[-1].split("=")[0] in capsys.readouterr().err  # the message names the offending flag
