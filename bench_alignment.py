@@ -227,12 +227,20 @@ def _mesh_name(spec):
   return "1 dev" if spec is None else "x".join(map(str, spec))
 
 
-# (name, worker dict, trainer dict). Worker: dtype, mesh, temperature, top_p, logits ("engine" = the engine's
-# fp32 sampling_logprobs, "bf16" = replayed bf16 log-softmax). Trainer: dtype, mesh, temperature.
 F32, B16 = jnp.float32, jnp.bfloat16
-W = lambda dtype, mesh=None, T=1.0, top_p=1.0, logits="engine": dict(dtype=dtype, mesh=mesh, T=T, top_p=top_p,  # noqa: E731
-                                                                     logits=logits)
-TR = lambda dtype, mesh=None, T=1.0: dict(dtype=dtype, mesh=mesh, T=T)  # noqa: E731
+
+
+def W(dtype, mesh=None, T=1.0, top_p=1.0, logits="engine"):
+  """A worker setting; logits "engine" = the engine's fp32 sampling_logprobs, "bf16" = replayed bf16 log-softmax."""
+  return dict(dtype=dtype, mesh=mesh, T=T, top_p=top_p, logits=logits)
+
+
+def TR(dtype, mesh=None, T=1.0):
+  """A trainer setting: compute dtype, mesh shape (None = 1 device), scoring temperature."""
+  return dict(dtype=dtype, mesh=mesh, T=T)
+
+
+# (row name, worker setting, trainer setting)
 CONFIGS = (
     ("fp32 aligned", W(F32), TR(F32)),
     ("fp32 aligned", W(F32), TR(F32, (2, 2, 2))),
@@ -319,6 +327,9 @@ def main(argv=None):
   if len(jax.devices()) < 8:
     raise SystemExit(f"bench_alignment needs 8 devices for the cross-mesh rows, got {len(jax.devices())}; "
                      "set XLA_FLAGS=--xla_force_host_platform_device_count=8 (this file does when it is unset)")
+  if a.prompts < 1 or a.group_size < 1 or a.max_new_tokens < 1 or (a.prompts * a.group_size) % 8:
+    raise SystemExit(f"--prompts={a.prompts} x --group_size={a.group_size} must be a positive multiple of 8 (the "
+                     f"trainer meshes split the batch 8 ways) and --max_new_tokens={a.max_new_tokens} >= 1")
   if a.checkpoint:
     cfg, params = model.load_hf_checkpoint(a.checkpoint, dtype=jnp.float32)
   else:
