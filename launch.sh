@@ -164,7 +164,7 @@ run_local() {
     done
     for i in $(seq 0 $((WORKERS - 1))); do
       start_role "worker$i" "$PY" rollout.py --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token" \
-        --tokenizer="$TOKENIZER" --worker_id="worker$i" --seed="$i" --max_new_tokens="$MAX_NEW" $WORKER_ARGS
+        --tokenizer="$TOKENIZER" --worker_id="worker$i" --seed="$i" $WORKER_ARGS
     done
     # The trainer's tqdm bar goes to its log; show it here while we supervise.
     tail -n 0 -F "$RUN_DIR/logs/trainer0.log" 2>/dev/null | tr '\r' '\n' | grep --line-buffered -E "it/s|s/it" &

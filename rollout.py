@@ -265,10 +265,12 @@ def define_flags():
   flags.DEFINE_integer("slots", 32, "Concurrent sequences in the decode batch. Default 32.")
   flags.DEFINE_integer("chunk_steps", 8, "Decode steps between host syncs (refill granularity). Default 8.")
   flags.DEFINE_integer("max_prompt_len", 64, "Longest prompt in tokens. Default 64.")
-  flags.DEFINE_integer("max_new_tokens", 16, "Completion budget in tokens. Default 16.")
-  flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy). Default 1.0.")
-  flags.DEFINE_integer("top_k", 0, "Top-k truncation (0 = off). Default 0.")
-  flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) mass (1 = off). Default 1.0.")
+  # Sampling flags apply to eval mode; a worker samples with the trainer's settings, which travel with the
+  # weights (so the trainer always scores the distribution the workers sampled from).
+  flags.DEFINE_integer("max_new_tokens", 16, "Eval: completion budget in tokens. Default 16.")
+  flags.DEFINE_float("temperature", 1.0, "Eval: sampling temperature (0 = greedy). Default 1.0.")
+  flags.DEFINE_integer("top_k", 0, "Eval: top-k truncation (0 = off). Default 0.")
+  flags.DEFINE_float("top_p", 1.0, "Eval: top-p (nucleus) mass (1 = off). Default 1.0.")
   flags.DEFINE_integer("max_staleness", 4, "Regenerate groups more than this many policy versions old. Default 4.")
   flags.DEFINE_float("lease_s", 120.0, "Seconds a leased prompt stays ours before the server re-issues it. Default 120.")
   flags.DEFINE_float("drain_s", 10.0, "On SIGTERM, seconds spent finishing in-flight groups. Default 10.")
@@ -314,7 +316,6 @@ def run_worker():
   client = _client(token)
   tok = data.load_tokenizer(FLAGS.tokenizer)
   pool = data.VerifierPool(FLAGS.verifier_workers, timeout_s=FLAGS.verifier_timeout_s)
-  sc = SamplingConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.max_new_tokens, (tok.eos_id,))
 
   # Wait for the first published weights; the trainer publishes version >= 0 at startup.
   logging.info("worker %s waiting for weights", wid)
@@ -325,6 +326,9 @@ def run_worker():
     return
   version, flat = got
   cfg = model.Config.from_hf_dict(json.loads(flat.pop("__config__").tobytes().decode()))
+  s = json.loads(flat.pop("__sampling__").tobytes().decode())
+  sc = SamplingConfig(s["temperature"], s["top_k"], s["top_p"], s["max_new_tokens"], tuple(sorted(tok.stop_ids)))
+  logging.info("worker %s: v%d, sampling %s", wid, version, sc)
   params = jax.tree.map(jnp.asarray, param_server.unflatten(flat))
   engine = Engine(cfg, sc, FLAGS.slots, FLAGS.max_prompt_len, FLAGS.chunk_steps, FLAGS.attn_impl)
   engine.reset(jax.tree.leaves(params)[0].dtype)
@@ -351,6 +355,7 @@ def run_worker():
     if got is not None:
       version, flat = got
       flat.pop("__config__", None)
+      flat.pop("__sampling__", None)
       params = jax.tree.map(jnp.asarray, param_server.unflatten(flat))
     # Refill free slots with leased prompts (none while draining).
     if drain_deadline is None and free:
@@ -410,7 +415,7 @@ def run_eval():
   else:
     problems = data.make_task_problems(FLAGS.eval_task, FLAGS.eval_n, FLAGS.eval_difficulty, seed=1234,
                                        split="eval")
-  sc = SamplingConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.max_new_tokens, (tok.eos_id,))
+  sc = SamplingConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.max_new_tokens, tuple(sorted(tok.stop_ids)))
   res = evaluate(cfg, params, tok, problems, n_samples=FLAGS.k, ks=sorted({1, FLAGS.k}), sc=sc,
                  slots=FLAGS.slots, seed=FLAGS.seed, template=FLAGS.template)
   res["checkpoint"] = FLAGS.checkpoint

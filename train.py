@@ -61,9 +61,14 @@ def define_flags():
   flags.DEFINE_integer("prefetch_steps", 2, "Steps worth of prompts kept issued ahead of training. Default 2.")
   flags.DEFINE_integer("max_staleness", 4, "Max policy-version lag of a trained rollout. Default 4.")
   flags.DEFINE_bool("dynamic_sampling", False, "Drop zero-variance groups and refill (DAPO). Default False.")
-  flags.DEFINE_integer("max_new_tokens", 8, "Workers' completion budget in tokens (DAPO overlong shaping). Default 8.")
+  flags.DEFINE_integer("max_new_tokens", 8, "Workers' completion budget in tokens, sent with the weights (also DAPO "
+                       "overlong shaping). Default 8.")
   flags.DEFINE_float("value_coef", 0.5, "Value-loss weight (PPO with GAE only). Default 0.5.")
-  flags.DEFINE_float("temperature", 1.0, "Sampling temperature the workers use (log-probs are scored at it). Default 1.0.")
+  flags.DEFINE_float("temperature", 1.0, "Workers' sampling temperature, sent with the weights; the loss scores "
+                     "log-probs at it. Default 1.0.")
+  flags.DEFINE_integer("top_k", 0, "Workers' top-k (0 = off), sent with the weights. Default 0.")
+  flags.DEFINE_float("top_p", 1.0, "Workers' top-p (1 = off), sent with the weights; with truncation set a tis_cap "
+                     "override. Default 1.0.")
   flags.DEFINE_float("lr", 1e-4, "Peak learning rate. Default 1e-4.")
   flags.DEFINE_integer("warmup_steps", 5, "Linear warmup steps, then cosine decay to 10%. Default 5.")
   flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay. Default 0.")
@@ -152,8 +157,13 @@ def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dty
   if extra:
     loss = loss + value_coef * extra["value_loss"]
   # Trainer/inference mismatch on the tokens actually trained (issue 8): |logp_train - logp_infer|.
-  d = jnp.abs(jax.lax.stop_gradient(logp) - batch["behaviour_logp"]) * mask
-  m = dict(m, **extra, mismatch_mean=d.sum() / jnp.maximum(mask.sum(), 1), mismatch_max=d.max())
+  lr = jnp.where(mask > 0, jax.lax.stop_gradient(logp) - batch["behaviour_logp"], 0.0)
+  n = jnp.maximum(mask.sum(), 1)
+  ratio = jnp.exp(lr)
+  m = dict(m, **extra, mismatch_mean=jnp.abs(lr).sum() / n, mismatch_max=jnp.abs(lr).max(),
+           mismatch_p99=jnp.nanpercentile(jnp.where(mask > 0, jnp.abs(lr), jnp.nan), 99),
+           mismatch_k1=(-lr).sum() / n, mismatch_k3=jnp.where(mask > 0, ratio - 1 - lr, 0.0).sum() / n,
+           is_ratio_std=jnp.sqrt(jnp.where(mask > 0, (ratio - (ratio * mask).sum() / n) ** 2, 0.0).sum() / n))
   return loss, m
 
 
@@ -321,8 +331,9 @@ def setup_mesh():
   if FLAGS.num_processes == 0:  # TPU pod: the slice tells each host its process id and the coordinator
     jax.distributed.initialize()
   elif FLAGS.num_processes > 1:
-    if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu":
-      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Cross-process collectives on CPU go through gloo (ignored on TPU). Asking for the backend here would
+    # initialise it before jax.distributed, which must come first.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=FLAGS.coordinator, num_processes=FLAGS.num_processes,
                                process_id=FLAGS.process_id)
   dims = parse_mesh(FLAGS.mesh, jax.device_count())
@@ -483,6 +494,7 @@ def run_rl():
       state["version"] = max(state["version"], client.latest_version()) + 1
       flat = param_server.flatten(hp)
       flat["__config__"] = np.frombuffer(json.dumps(cfg.to_hf_dict()).encode(), np.uint8)
+      flat["__sampling__"] = np.frombuffer(json.dumps(sampling).encode(), np.uint8)
       client.push(state["version"], flat)
     push_s = time.time() - t
 
@@ -511,6 +523,9 @@ def run_rl():
                 prompt_tokens=np.asarray(tok.encode(data.render_prompt(p, FLAGS.template), add_bos=True), np.int32))
 
   to_ack, push_s = [], 0.0
+  # The workers' sampling settings travel with the weights: one source of truth for what the loss scores.
+  sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                  max_new_tokens=FLAGS.max_new_tokens)
   publish()
   bar = None
   if lead:
