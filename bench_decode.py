@@ -5,8 +5,9 @@ per prompt, greedy, no early stop):
   ours  rollout.Engine(cfg, SamplingConfig(temperature=0, max_new_tokens=N, stop_ids=()), slots=B,
         max_prompt_len=P, chunk_steps=C): B inserts (each a batch-1 prefill broadcast into its slot, as the
         worker does) then run_chunk until no slot is active (one host sync per chunk).  Compile time is
-        excluded by a full warm-up pass with the same shapes.  stop_ids=() so every slot makes exactly N tokens;
-        when C does not divide N the last chunk's extra steps are paid for (that is the engine's real cost).
+        excluded by a full warm-up pass with the same shapes (reported as compile_s, that pass's time).
+        stop_ids=() so every slot makes exactly N tokens; when C does not divide N the last chunk's extra
+        steps are paid for (that is the engine's real cost).
   hf    AutoModelForCausalLM.from_pretrained(dir, dtype=float32).generate(input_ids [B,P], max_new_tokens=N,
         min_new_tokens=N, do_sample=False, use_cache=True) in torch fp32 on CPU, timed at each
         torch.set_num_threads(t) for t in --hf_threads (default 1 and the core count; XLA's CPU backend uses

@@ -9,8 +9,9 @@ What is measured, in one run:
          params/optimizer state exactly as train.run_rl builds it, fp32, on one device, losses.ALGORITHMS
          [--algo] (GRPO by default; --kl_coef > 0 adds the frozen reference forward, as the trainer does) on a
          synthetic batch from train.rl_batch: B/G groups of G completions, prompts of T/2 and completions of T/2
-         random tokens, so every row is exactly T tokens (no padding).  Compile is excluded (one warm-up step);
-         best and median of --steps steps, each ended by a host sync on its outputs.
+         random tokens, so every row is exactly T tokens (no padding).  Compile is excluded (one warm-up step,
+         reported as compile_s, compile included); best and median of --steps steps, each ended by a host
+         sync on its outputs.
 Model FLOPs per step (the MFU convention of PaLM, arXiv 2204.02311, App. B: matmuls only, no recompute):
   per-token forward  f = 2 * (L * (D*N*H + 2*D*K*H + N*H*D + 3*D*F) + D*V) + 4 * L * N*H * T
                      (QKV/O and SwiGLU projections, the lm head, and QK^T plus PV over all T keys: the jnp
@@ -83,6 +84,8 @@ def parse_args(argv=None):
     p.error(f"--d_model={a.d_model} must split into --n_heads={a.n_heads} heads of even size")
   if a.algo not in losses.ALGORITHMS:
     p.error(f"--algo={a.algo!r} is not one of {sorted(losses.ALGORITHMS)}")
+  if losses.ALGORITHMS[a.algo].advantage == "gae":
+    p.error(f"--algo={a.algo}: the value-head (GAE) path is not benchmarked; pick a group-advantage algorithm")
   return a
 
 
@@ -159,8 +162,6 @@ def main(argv=None):
   shape_peak = matmul_flops_per_s(B * T, cfg.d_model, cfg.ffw_dim, a.matmul_reps, a.seed)
   base = losses.ALGORITHMS[a.algo]
   lcfg = base if a.kl_coef is None else dataclasses.replace(base, kl_coef=a.kl_coef)
-  if lcfg.advantage == "gae":
-    raise ValueError(f"--algo={a.algo}: the value-head (GAE) path is not benchmarked; pick a group algorithm")
   policy = bench_decode.random_params(cfg, a.seed)
   n_params = sum(x.size for x in jax.tree.leaves(policy))
   params = dict(policy=policy, value=None)

@@ -78,6 +78,7 @@ def test_train_flops_count_the_reference_forward():
     (bench_train, ["--batch=6", "--group_size=4"]),
     (bench_train, ["--seq_len=7"]),
     (bench_train, ["--algo=nope"]),
+    (bench_train, ["--algo=ppo"]),  # value head (GAE): not benchmarked, said so rather than mis-measured
     (bench_decode, ["--hf_threads=1,x"]),
     (bench_decode, ["--d_model=30", "--n_heads=4"]),
 ])
