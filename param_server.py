@@ -1196,6 +1196,31 @@ class Client:
     return self._request(REQUEUE, h)[0]["released"]
 
 
+def flatten(tree, prefix=""):
+  """Nested dict of arrays -> {"a/b/c": np.ndarray}: the flat names weights travel under."""
+  out = {}
+  for k, v in tree.items():
+    if not isinstance(k, str) or "/" in k:
+      raise ValueError(f"flatten: key {k!r} under {prefix!r} must be a str without '/'")
+    if isinstance(v, dict):
+      out.update(flatten(v, prefix + k + "/"))
+    else:
+      out[prefix + k] = np.asarray(v)
+  return out
+
+
+def unflatten(flat):
+  """Inverse of flatten."""
+  tree = {}
+  for name, v in flat.items():
+    *path, leaf = name.split("/")
+    node = tree
+    for p in path:
+      node = node.setdefault(p, {})
+    node[leaf] = v
+  return tree
+
+
 def _json_default(x):
   if isinstance(x, np.generic):
     return x.item()

@@ -493,3 +493,14 @@ def test_exactly_once_across_kill_9(tmp_path):
     assert restarted[0].wait(timeout=10) == 0
   finally:
     p.kill()
+
+
+def test_flatten_unflatten_roundtrip_and_bad_keys():
+  tree = {"embed": np.ones((2, 3), np.float32), "layers": {"wq": np.zeros((1, 2)), "norm": {"w": np.arange(3)}}}
+  flat = ps.flatten(tree)
+  assert sorted(flat) == ["embed", "layers/norm/w", "layers/wq"]
+  back = ps.unflatten(flat)
+  np.testing.assert_array_equal(back["layers"]["norm"]["w"], np.arange(3))
+  assert back.keys() == tree.keys() and back["layers"].keys() == tree["layers"].keys()
+  with pytest.raises(ValueError, match="without '/'"):
+    ps.flatten({"a/b": np.zeros(1)})
