@@ -65,8 +65,10 @@ parse_local_flags() {
 }
 
 # Defaults of the built-in demo: one place, so that README numbers come from exactly these settings.
-DEMO_TASK_FLAGS=(--task=arithmetic --difficulty=3)
-DEMO_EVAL_FLAGS=(--eval_task=arithmetic --eval_difficulty=3 --eval_n=200 --k=8 --temperature=1.0)
+DEMO_TASK_FLAGS=(--task=arithmetic --difficulty=2)
+DEMO_SFT_FLAGS=(--sft_steps=800 --sft_batch=64 --sft_lr=3e-3)
+DEMO_RL_FLAGS=(--algo=grpo --steps=100 --prompts_per_step=16 --group_size=8 --lr=1e-4 --checkpoint_every=10)
+DEMO_EVAL_FLAGS=(--eval_task=arithmetic --eval_difficulty=2 --eval_n=200 --k=8 --temperature=1.0)
 
 declare -A CMDS=() PIDS=() RESTARTS=()
 start_role() {  # start_role NAME CMD...: background it, log and pidfile under the run dir
@@ -134,7 +136,7 @@ run_local() {
   if [ ! -f "$base/config.json" ]; then
     [ -n "$INIT_CKPT" ] && { echo "no config.json in --init_checkpoint=$INIT_CKPT" >&2; exit 2; }
     echo "== supervised warm-start of the base policy -> $base (log: $RUN_DIR/logs/sft.log)"
-    "$PY" train.py --mode=sft --run_dir="$RUN_DIR" --tokenizer="$TOKENIZER" "${DEMO_TASK_FLAGS[@]}" \
+    "$PY" train.py --mode=sft --run_dir="$RUN_DIR" --tokenizer="$TOKENIZER" "${DEMO_TASK_FLAGS[@]}" "${DEMO_SFT_FLAGS[@]}" \
       >"$RUN_DIR/logs/sft.log" 2>&1 || { tail -20 "$RUN_DIR/logs/sft.log"; exit 1; }
   fi
   local eval_flags=("${DEMO_EVAL_FLAGS[@]}" --max_new_tokens="$MAX_NEW" --template="$TEMPLATE")
@@ -151,7 +153,7 @@ run_local() {
     trap 'stop_all; exit 130' INT TERM
     start_role server "$PY" param_server.py --port="$PORT" --token_file="$RUN_DIR/token" --run_dir="$RUN_DIR/server"
     local train=("$PY" train.py --run_dir="$RUN_DIR" --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token"
-                 --init_checkpoint="$base" --tokenizer="$TOKENIZER" "${DEMO_TASK_FLAGS[@]}"
+                 --init_checkpoint="$base" --tokenizer="$TOKENIZER" "${DEMO_TASK_FLAGS[@]}" "${DEMO_RL_FLAGS[@]}"
                  --max_new_tokens="$MAX_NEW" --template="$TEMPLATE")
     [ -n "$STEPS" ] && train+=(--steps="$STEPS")
     [ -n "$TRAIN_JSONL" ] && train+=(--train_jsonl="$TRAIN_JSONL")

@@ -1196,6 +1196,19 @@ class Client:
     return self._request(REQUEUE, h)[0]["released"]
 
 
+class StopFlag:
+  """SIGTERM / SIGINT set `requested`, which a trainer or worker loop polls between steps (a TPU preemption
+  notice arrives as SIGTERM): the loop finishes its step, checkpoints or drains, and exits cleanly."""
+
+  def __init__(self):
+    self.requested = False
+    signal.signal(signal.SIGTERM, self._set)
+    signal.signal(signal.SIGINT, self._set)
+
+  def _set(self, *_):
+    self.requested = True
+
+
 def flatten(tree, prefix=""):
   """Nested dict of arrays -> {"a/b/c": np.ndarray}: the flat names weights travel under."""
   out = {}

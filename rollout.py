@@ -26,12 +26,9 @@ Run:
   On a pod launch.sh starts one worker per inference host (see launch.sh v5p-N --dry_run).
 """
 import dataclasses
-import functools
 import json
 import math
 import os
-import signal
-import sys
 import time
 import zlib
 
@@ -290,18 +287,6 @@ def define_flags():
   flags.DEFINE_string("out", None, "Write eval metrics as JSON here. Default none.")
 
 
-class _Stop:
-  """SIGTERM/SIGINT set a flag the loop polls; a TPU preemption notice arrives as SIGTERM."""
-
-  def __init__(self):
-    self.requested = False
-    signal.signal(signal.SIGTERM, self._set)
-    signal.signal(signal.SIGINT, self._set)
-
-  def _set(self, *_):
-    self.requested = True
-
-
 def _client(token):
   import param_server
   host, port = FLAGS.server.rsplit(":", 1)
@@ -310,7 +295,7 @@ def _client(token):
 
 def run_worker():
   import param_server
-  stop = _Stop()
+  stop = param_server.StopFlag()
   wid = FLAGS.worker_id or f"{os.uname().nodename}-{os.getpid()}"
   token = open(FLAGS.token_file).read().strip() if FLAGS.token_file else None
   client = _client(token)

@@ -28,7 +28,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import time
 
 from absl import app, flags, logging
@@ -265,18 +264,6 @@ def parse_overrides(items, base):
   return out
 
 
-class Stop:
-  """SIGTERM (a TPU preemption notice) / SIGINT: finish the step, checkpoint, exit."""
-
-  def __init__(self):
-    self.requested = False
-    signal.signal(signal.SIGTERM, self._set)
-    signal.signal(signal.SIGINT, self._set)
-
-  def _set(self, *_):
-    self.requested = True
-
-
 def to_global(host_tree, sharding):
   """Every process holds the same host copy; build global arrays sharded over the mesh from it."""
   return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx]), host_tree)
@@ -433,7 +420,7 @@ def broadcast_batch(batch):
 
 def run_rl():
   import param_server
-  stop = Stop()
+  stop = param_server.StopFlag()
   mesh = setup_mesh()
   lead = jax.process_index() == 0
   os.makedirs(FLAGS.run_dir, exist_ok=True)
