@@ -12,8 +12,6 @@ import subprocess
 import time
 
 import jax
-import numpy as np
-import pytest
 
 import data
 import model

@@ -147,7 +147,7 @@ def test_two_process_gloo_training_equals_one_process(tmp_path):
   out1 = one.communicate(timeout=300)[0]
   assert one.returncode == 0, out1[-2000:]
   port = 20000 + os.getpid() % 20000
-  procs = [_sft(tmp_path / "two", tok, [f"--num_processes=2", f"--process_id={i}", f"--coordinator=127.0.0.1:{port}",
+  procs = [_sft(tmp_path / "two", tok, ["--num_processes=2", f"--process_id={i}", f"--coordinator=127.0.0.1:{port}",
                                        "--mesh=1,2,1"]) for i in range(2)]
   outs = [p.communicate(timeout=300)[0] for p in procs]
   assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outs)
