@@ -79,16 +79,24 @@ start_role() {  # start_role NAME CMD...: background it, log and pidfile under t
   echo "${PIDS[$name]}" >"$RUN_DIR/pids/$name.pid"
 }
 
-stop_all() {
-  local name
-  for name in "${!PIDS[@]}"; do kill -TERM "${PIDS[$name]}" 2>/dev/null || true; done
+stop_roles() {  # SIGTERM the given roles, wait up to 30 s for them to checkpoint / drain, then SIGKILL
+  local name alive
+  for name in "$@"; do kill -TERM "${PIDS[$name]}" 2>/dev/null || true; done
   for _ in $(seq 1 30); do
-    local alive=0
-    for name in "${!PIDS[@]}"; do kill -0 "${PIDS[$name]}" 2>/dev/null && alive=1; done
+    alive=0
+    for name in "$@"; do kill -0 "${PIDS[$name]}" 2>/dev/null && alive=1; done
     [ $alive = 0 ] && break
     sleep 1
   done
-  for name in "${!PIDS[@]}"; do kill -KILL "${PIDS[$name]}" 2>/dev/null || true; done
+  for name in "$@"; do kill -KILL "${PIDS[$name]}" 2>/dev/null || true; wait "${PIDS[$name]}" 2>/dev/null || true; done
+}
+
+stop_all() {  # clients first, so that draining workers and a checkpointing trainer still reach the server
+  local clients=()
+  local name
+  for name in "${!PIDS[@]}"; do [ "$name" != server ] && clients+=("$name"); done
+  [ ${#clients[@]} -gt 0 ] && stop_roles "${clients[@]}"
+  [ -n "${PIDS[server]:-}" ] && stop_roles server
   rm -f "$RUN_DIR"/pids/*.pid
 }
 

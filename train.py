@@ -15,7 +15,7 @@ Design:
     prompt is re-issued under a new id.  DAPO dynamic sampling drops zero-variance groups and refills.
   * Precision: fp32 master weights in the optimizer; --param_dtype=bfloat16 casts them for the forward and for
     the workers.  Log-probs, softmax and the loss are fp32 (model.py / losses.py).
-  * Checkpoints (params, optimizer state, step, data cursor, RNG, consumed ids, pass-rate table, version) are
+  * Checkpoints (params, optimizer state, step, data cursor, seed, consumed ids, pass-rate table, version) are
     written to a temp dir and renamed, every --checkpoint_every steps and on SIGTERM.
   * --mode=sft is the supervised warm-start that builds the demo's base policy (an HF checkpoint dir).
 
@@ -446,7 +446,9 @@ def run_rl():
                 if lcfg.kl_coef > 0 else None)
   stream = data.PromptStream(problems_for_training(), seed=FLAGS.seed)
   tracker = data.PassRateTracker()
-  state = dict(step=0, version=-1, seq=0, issued=0, consumed=[], rng=[FLAGS.seed, 0])
+  # The trainer draws no random numbers of its own: data order is the stream's state (saved below) and sampling
+  # keys derive from prompt ids on the workers, so the seed is the whole RNG state.
+  state = dict(step=0, version=-1, seq=0, issued=0, consumed=[], seed=FLAGS.seed)
   ckpt_dir = os.path.join(FLAGS.run_dir, "ckpt")
   path = latest_checkpoint(ckpt_dir)
   if path:

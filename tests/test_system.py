@@ -18,7 +18,7 @@ import model
 import param_server as ps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 10
+STEPS = 120  # a quiet machine trains ~8 of these tiny steps/s: long enough that every kill lands mid-run
 
 
 def free_port():
@@ -60,11 +60,29 @@ def wait_until(cond, timeout, what, proc):
     time.sleep(0.5)
 
 
-def kill9(run, role):
+def pid_of(run, role):
   with open(os.path.join(run, "pids", f"{role}.pid")) as f:
-    pid = int(f.read())
-  os.kill(pid, signal.SIGKILL)
-  return pid
+    return int(f.read())
+
+
+def signal_roles(run, roles, sig):
+  for role in roles:
+    os.kill(pid_of(run, role), sig)
+
+
+def kill9_and_wait_restart(run, role, proc):
+  """SIGKILL a role and wait until the supervisor has started its replacement (a new, live pid)."""
+  old = pid_of(run, role)
+  os.kill(old, signal.SIGKILL)
+
+  def replaced():
+    try:
+      pid = pid_of(run, role)
+      os.kill(pid, 0)
+      return pid != old
+    except (OSError, ValueError):
+      return False
+  wait_until(replaced, 60, f"the {role} restart", proc)
 
 
 def test_kill9_worker_trainer_server_run_completes_exactly_once(tmp_path):
@@ -76,28 +94,39 @@ def test_kill9_worker_trainer_server_run_completes_exactly_once(tmp_path):
   cmd = ["bash", "launch.sh", "local", f"--run_dir={run}", f"--steps={STEPS}", f"--port={port}", "--skip_eval",
          "--worker_args=--lease_s=6 --slots=8 --chunk_steps=4 --verifier_workers=0",
          "--", "--prompts_per_step=2", "--group_size=4", "--checkpoint_every=2", "--difficulty=1",
-         "--get_wait_s=0.5", "--rollout_lease_s=60", "--train_size=100"]
+         "--get_wait_s=0.5", "--rollout_lease_s=60", "--train_size=100", "--prefetch_steps=1"]
   log = open(os.path.join(str(tmp_path), "launch.log"), "w")
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+  # Own session: on failure the whole tree (launch.sh and its children) is killed, not just bash.
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
+                          start_new_session=True)
   try:
+    workers = ("worker0", "worker1")
+    # Each kill happens while the run cannot finish without the victim coming back: the other processes that
+    # could carry it are paused (SIGSTOP), and the trainer's backlog is bounded by --prefetch_steps.
     wait_until(lambda: steps_done(run) >= 2, 400, "step 2", proc)
-    kill9(run, "worker0")
-    wait_until(lambda: steps_done(run) >= 4, 300, "step 4", proc)
-    kill9(run, "trainer0")
-    # The restarted trainer resumes from its step-4 checkpoint and must get past where it was killed.
-    wait_until(lambda: steps_done(run) >= 6, 300, "step 6 after the trainer restart", proc)
-    kill9(run, "server")
-    rc = proc.wait(timeout=400)
+    signal_roles(run, ["worker1"], signal.SIGSTOP)
+    kill9_and_wait_restart(run, "worker0", proc)
+    signal_roles(run, ["worker1"], signal.SIGCONT)
+    wait_until(lambda: steps_done(run) >= 10, 300, "step 10", proc)
+    signal_roles(run, workers, signal.SIGSTOP)
+    kill9_and_wait_restart(run, "trainer0", proc)
+    signal_roles(run, workers, signal.SIGCONT)
+    # The restarted trainer resumes from its last checkpoint and must get past where it was killed.
+    wait_until(lambda: steps_done(run) >= 20, 300, "step 20 after the trainer restart", proc)
+    signal_roles(run, workers, signal.SIGSTOP)
+    kill9_and_wait_restart(run, "server", proc)
+    signal_roles(run, workers, signal.SIGCONT)
+    rc = proc.wait(timeout=600)
   finally:
     if proc.poll() is None:
-      proc.kill()
+      os.killpg(proc.pid, signal.SIGKILL)
     log.close()
   out = open(os.path.join(str(tmp_path), "launch.log")).read()
   assert rc == 0, out[-3000:]
   assert open(os.path.join(run, "DONE")).read() == str(STEPS)
-  sup = open(os.path.join(run, "logs", "supervisor.log")).read()
+  text = open(os.path.join(run, "logs", "supervisor.log")).read()
   for role in ("worker0", "trainer0", "server"):
-    assert f"{role} exited" in sup, sup
+    assert f"{role} exited" in text, text
 
   # The surviving lineage: the last record of each step (a step re-run after the trainer restart replaces it).
   lineage = {}
