@@ -318,6 +318,7 @@ def run_worker():
   engine = Engine(cfg, sc, FLAGS.slots, FLAGS.max_prompt_len, FLAGS.chunk_steps, FLAGS.attn_impl)
   engine.reset(jax.tree.leaves(params)[0].dtype)
   free = list(range(FLAGS.slots))
+  group_size = 1  # learnt from the first prompt item
   groups = {}  # item id -> dict(item, slots, version, t0)
   n_sent, t_start, tokens_out = 0, time.time(), 0
   drain_deadline = None
@@ -343,10 +344,12 @@ def run_worker():
       flat.pop("__sampling__", None)
       params = jax.tree.map(jnp.asarray, param_server.unflatten(flat))
     # Refill free slots with leased prompts (none while draining).
-    if drain_deadline is None and free:
-      max_g = max(1, len(free) // 8)
-      items = client.get("prompts", max_items=max_g, wait_s=0.0 if groups else 1.0, lease_s=FLAGS.lease_s)
+    if drain_deadline is None and len(free) >= group_size:
+      # Lease only what fits now (group_size: the last group's G), so no prompt waits in a busy worker.
+      items = client.get("prompts", max_items=len(free) // group_size, wait_s=0.0 if groups else 1.0,
+                         lease_s=FLAGS.lease_s)
       for item in items:
+        group_size = int(item["group_size"])
         if int(item["group_size"]) > FLAGS.slots:
           raise ValueError(f"group_size={item['group_size']} > --slots={FLAGS.slots}")
         if int(item["group_size"]) <= len(free):
