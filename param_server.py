@@ -283,6 +283,18 @@ class _Crc:
     return self._crcs
 
 
+def _recv_with_crcs(sock, buf, sizes, deadline, what):
+  """Fills buf from sock while per-tensor crc32s are computed alongside (threaded for big payloads); returns
+  the crcs. Both the server (push) and the client (pull) receive tensors this way."""
+  crc = _Crc(buf, sizes, threaded=len(buf) >= (4 << 20))
+  try:
+    _recv_into(sock, memoryview(buf), deadline, what, crc.feed)
+  except BaseException:
+    crc.abort()
+    raise
+  return crc.finish()
+
+
 def _check_specs(specs, payload_len, what):
   """Validates a tensor table against the payload length; returns the list of byte sizes."""
   if not isinstance(specs, list):
@@ -685,13 +697,7 @@ class Server:
       if version <= latest:
         raise _Refused("stale_version", f"push v{version} refused: versions must increase (latest is v{latest})")
       buf = _alloc(plen)
-      crc = _Crc(buf, sizes, threaded=plen >= (4 << 20))
-      try:
-        _recv_into(conn, memoryview(buf), deadline, f"push v{version} payload", crc.feed)
-      except BaseException:
-        crc.abort()
-        raise
-      crcs = crc.finish()
+      crcs = _recv_with_crcs(conn, buf, sizes, deadline, f"push v{version} payload")
       for s, c in zip(specs, crcs):
         if s["crc"] != c:
           e = _Refused("checksum", f"push v{version}: tensor {s['name']!r} crc {c} != declared {s['crc']}")
@@ -1081,13 +1087,7 @@ class Client:
     buf = _alloc(plen)
     if tensors and h.get("version") is not None:
       specs = h["tensors"]
-      crc = _Crc(buf, _check_specs(specs, plen, "pull reply"), threaded=plen >= (4 << 20))
-      try:
-        _recv_into(self._sock, memoryview(buf), deadline, "weights", crc.feed)
-      except BaseException:
-        crc.abort()
-        raise
-      crcs = crc.finish()
+      crcs = _recv_with_crcs(self._sock, buf, _check_specs(specs, plen, "pull reply"), deadline, "weights")
       for s, c in zip(specs, crcs):
         if s["crc"] != c:
           raise ChecksumError(f"v{h['version']}: tensor {s['name']!r} crc {c} != {s['crc']}")
