@@ -65,10 +65,11 @@ parse_local_flags() {
 }
 
 # Defaults of the built-in demo: one place, so that README numbers come from exactly these settings.
-DEMO_TASK_FLAGS=(--task=arithmetic --difficulty=2)
-DEMO_SFT_FLAGS=(--sft_steps=800 --sft_batch=64 --sft_lr=3e-3)
-DEMO_RL_FLAGS=(--algo=grpo --steps=100 --prompts_per_step=16 --group_size=8 --lr=1e-4 --checkpoint_every=10)
-DEMO_EVAL_FLAGS=(--eval_task=arithmetic --eval_difficulty=2 --eval_n=200 --k=8 --temperature=1.0)
+DEMO_TASK_FLAGS=(--task=arithmetic --difficulty=2 --ops=+)
+DEMO_SFT_FLAGS=(--sft_steps=500 --sft_batch=64 --sft_lr=3e-3)
+DEMO_RL_FLAGS=(--algo=grpo --steps=1000 --prompts_per_step=16 --group_size=8 --lr=3e-4 --dynamic_sampling
+                --checkpoint_every=10)
+DEMO_EVAL_FLAGS=(--eval_task=arithmetic --eval_difficulty=2 --eval_ops=+ --eval_n=500 --k=8 --temperature=1.0)
 
 declare -A CMDS=() PIDS=() RESTARTS=()
 start_role() {  # start_role NAME CMD...: background it, log and pidfile under the run dir

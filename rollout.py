@@ -281,6 +281,8 @@ def define_flags():
   # Eval mode.
   flags.DEFINE_string("eval_task", "arithmetic", "Built-in task for eval (ignored with --eval_jsonl). Default arithmetic.")
   flags.DEFINE_integer("eval_difficulty", 3, "Built-in task difficulty for eval. Default 3.")
+  flags.DEFINE_string("eval_ops", None, "Operators of the built-in eval task, e.g. + (data.make_task_problems). "
+                      "Default none: the task's own.")
   flags.DEFINE_string("eval_jsonl", None, "Held-out jsonl prompts instead of a built-in task. Default none.")
   flags.DEFINE_integer("eval_n", 200, "Number of held-out problems. Default 200.")
   flags.DEFINE_integer("k", 8, "Samples per problem; reports pass@1 and pass@k. Default 8.")
@@ -402,7 +404,7 @@ def run_eval():
     problems = data.load_jsonl(FLAGS.eval_jsonl)[:FLAGS.eval_n]
   else:
     problems = data.make_task_problems(FLAGS.eval_task, FLAGS.eval_n, FLAGS.eval_difficulty, seed=1234,
-                                       split="eval")
+                                       split="eval", ops=FLAGS.eval_ops)
   sc = SamplingConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.max_new_tokens, tuple(sorted(tok.stop_ids)))
   res = evaluate(cfg, params, tok, problems, n_samples=FLAGS.k, ks=sorted({1, FLAGS.k}), sc=sc,
                  slots=FLAGS.slots, seed=FLAGS.seed, template=FLAGS.template)

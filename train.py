@@ -46,6 +46,8 @@ def define_flags():
   # Data.
   flags.DEFINE_string("task", "arithmetic", "Built-in task when --train_jsonl is not given. Default arithmetic.")
   flags.DEFINE_integer("difficulty", 3, "Built-in task difficulty. Default 3.")
+  flags.DEFINE_string("ops", None, "Operators of the built-in task, e.g. + or +-* (data.make_task_problems). Default "
+                      "none: the task's own (arithmetic +-, countdown +-*).")
   flags.DEFINE_string("train_jsonl", None, "jsonl prompt file (id, prompt, answer[, task, tests]). Default none.")
   flags.DEFINE_integer("train_size", 8000, "Number of built-in training problems generated. Default 8000.")
   flags.DEFINE_string("template", "plain", "Prompt template (data.render_prompt). Default plain.")
@@ -283,7 +285,8 @@ def place_params(params_np, cfg, mesh):
 def problems_for_training():
   if FLAGS.train_jsonl:
     return data.load_jsonl(FLAGS.train_jsonl)
-  return data.make_task_problems(FLAGS.task, FLAGS.train_size, FLAGS.difficulty, seed=FLAGS.seed, split="train")
+  return data.make_task_problems(FLAGS.task, FLAGS.train_size, FLAGS.difficulty, seed=FLAGS.seed, split="train",
+                                 ops=FLAGS.ops)
 
 
 def rl_batch(groups, lcfg, pad_id, buckets, max_new_tokens):
@@ -395,7 +398,7 @@ def run_sft():
 BATCH_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "behaviour_logp", "token_rewards",
               "advantages")
 PROMPT_FIELDS = ("prompt_id", "prompt", "answer", "task", "tests", "prompt_tokens")
-BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def like(host_tree, like_tree):

@@ -100,3 +100,42 @@ def test_bad_sampling_config_is_rejected():
     rollout.SamplingConfig(top_p=0.0)
   with pytest.raises(ValueError):
     rollout.SamplingConfig(temperature=-1.0)
+
+
+def test_eval_cli_draws_the_requested_operators(tmp_path):
+  """rollout.py --mode=eval --eval_ops=+ evaluates on addition problems only; a bad operator is a clear error."""
+  import json
+  import os
+  import subprocess
+  import sys
+
+  import data
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  tok_path = data.build_task_tokenizer(str(tmp_path), "arithmetic", seed=0)
+  tok = data.load_tokenizer(tok_path)
+  cfg = model.Config.from_hf_dict(dict(
+      model_type="qwen2", vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+      num_key_value_heads=1, intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=True,
+      bos_token_id=tok.bos_id, eos_token_id=tok.eos_id))
+  model.save_hf_checkpoint(str(tmp_path / "ckpt"), cfg, model.init_params(cfg, jax.random.PRNGKey(0)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+
+  def run(ops, out):
+    cmd = [sys.executable, os.path.join(root, "rollout.py"), "--mode=eval", f"--checkpoint={tmp_path / 'ckpt'}",
+           f"--tokenizer={tok_path}", "--eval_task=arithmetic", "--eval_difficulty=2", "--eval_n=10", "--k=1",
+           "--max_new_tokens=4", f"--out={out}", *([f"--eval_ops={ops}"] if ops else [])]
+    return subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+
+  for ops in ("+", None):
+    r = run(ops, tmp_path / f"eval{ops}.json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.load(open(tmp_path / f"eval{ops}.json"))
+    prompts = [p for p, _ in res["examples"]]
+    assert res["n_problems"] == 10 and len(prompts) == 5
+    if ops == "+":
+      assert all("+" in p and "-" not in p for p in prompts), prompts
+    else:  # the task's default "+-": with this fixed seed the first five problems include a subtraction
+      assert any("-" in p for p in prompts), prompts
+  bad = run("/", tmp_path / "bad.json")
+  assert bad.returncode != 0 and "bad ops '/'" in bad.stderr, bad.stderr[-2000:]

@@ -93,7 +93,7 @@ def test_kill9_worker_trainer_server_run_completes_exactly_once(tmp_path):
   port = free_port()
   cmd = ["bash", "launch.sh", "local", f"--run_dir={run}", f"--steps={STEPS}", f"--port={port}", "--skip_eval",
          "--worker_args=--lease_s=6 --slots=8 --chunk_steps=4 --verifier_workers=0",
-         "--", "--prompts_per_step=2", "--group_size=4", "--checkpoint_every=2", "--difficulty=1",
+         "--", "--prompts_per_step=2", "--group_size=4", "--checkpoint_every=2", "--difficulty=1", "--ops=+-",
          "--get_wait_s=0.5", "--rollout_lease_s=60", "--train_size=100", "--prefetch_steps=1"]
   log = open(os.path.join(str(tmp_path), "launch.log"), "w")
   # Own session: on failure the whole tree (launch.sh and its children) is killed, not just bash.
