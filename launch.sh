@@ -67,7 +67,7 @@ parse_local_flags() {
 # Defaults of the built-in demo: one place, so that README numbers come from exactly these settings.
 DEMO_TASK_FLAGS=(--task=arithmetic --difficulty=2 --ops=+)
 DEMO_SFT_FLAGS=(--sft_steps=500 --sft_batch=64 --sft_lr=3e-3)
-DEMO_RL_FLAGS=(--algo=grpo --steps=1000 --prompts_per_step=16 --group_size=8 --lr=3e-4 --dynamic_sampling
+DEMO_RL_FLAGS=(--algo=grpo --steps=1600 --prompts_per_step=16 --group_size=8 --lr=3e-4 --dynamic_sampling
                 --checkpoint_every=10)
 DEMO_EVAL_FLAGS=(--eval_task=arithmetic --eval_difficulty=2 --eval_ops=+ --eval_n=500 --k=8 --temperature=1.0)
 
@@ -177,8 +177,10 @@ run_local() {
       start_role "worker$i" "$PY" rollout.py --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token" \
         --tokenizer="$TOKENIZER" --worker_id="worker$i" --seed="$i" $WORKER_ARGS
     done
-    # The trainer's tqdm bar goes to its log; show it here while we supervise.
-    tail -n 0 -F "$RUN_DIR/logs/trainer0.log" 2>/dev/null | tr '\r' '\n' | grep --line-buffered -E "it/s|s/it" &
+    # The trainer's tqdm bar goes to its log; show it here while we supervise. $! must be tail itself (in a
+    # plain pipeline it is grep's pid, and killing grep left tail -F running forever, holding our stdout open);
+    # --pid ends it with this script even if we are SIGKILLed.
+    tail -n 0 -F --pid=$$ "$RUN_DIR/logs/trainer0.log" 2>/dev/null > >(tr '\r' '\n' | grep --line-buffered -E "it/s|s/it") &
     local tail_pid=$!
     supervise
     kill "$tail_pid" 2>/dev/null || true
