@@ -398,6 +398,8 @@ def run_sft():
 BATCH_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "behaviour_logp", "token_rewards",
               "advantages")
 PROMPT_FIELDS = ("prompt_id", "prompt", "answer", "task", "tests", "prompt_tokens")
+# Row lengths a batch pads to. 16 first: a built-in arithmetic row (bos, prompt, answer, eos) is <= 12 tokens, and
+# padding it to 16 rather than 32 halves the demo's SFT and RL step time.
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 

@@ -1,11 +1,16 @@
 """rollout.py: the generation engine's log-probs equal the trainer's recomputation, sampling, pass@k."""
+import json
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import data
 import losses
 import model
 import rollout
@@ -104,12 +109,6 @@ def test_bad_sampling_config_is_rejected():
 
 def test_eval_cli_draws_the_requested_operators(tmp_path):
   """rollout.py --mode=eval --eval_ops=+ evaluates on addition problems only; a bad operator is a clear error."""
-  import json
-  import os
-  import subprocess
-  import sys
-
-  import data
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   tok_path = data.build_task_tokenizer(str(tmp_path), "arithmetic", seed=0)
   tok = data.load_tokenizer(tok_path)
