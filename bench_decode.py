@@ -43,17 +43,25 @@ import model
 import rollout
 
 
+# Model-shape flags of both benchmarks (bench_train.py imports these): name -> (help, unit).
+SHAPE_FLAGS = dict(d_model=("model width D", "units"), n_layers=("layers L", "count"),
+                   n_heads=("query heads N", "count"), n_kv_heads=("kv heads K", "count"),
+                   ffw_dim=("MLP width F", "units"), vocab=("vocab V", "tokens"))
+QUICK_SHAPE = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffw_dim=128, vocab=256)  # --quick, for tests
+
+
+def add_shape_flags(p, defaults, suffix=""):
+  for name, (what, unit) in SHAPE_FLAGS.items():
+    p.add_argument(f"--{name}", type=int, default=defaults[name], help=f"{what} ({unit}){suffix}")
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--checkpoint", default=None, help="HF checkpoint dir to benchmark (dir); default: write a "
                  "random-init Qwen2-style one from the shape flags to a temp dir")
-  p.add_argument("--d_model", type=int, default=384, help="model width D (units) of the generated checkpoint")
-  p.add_argument("--n_layers", type=int, default=4, help="layers L (count) of the generated checkpoint")
-  p.add_argument("--n_heads", type=int, default=6, help="query heads N (count) of the generated checkpoint")
-  p.add_argument("--n_kv_heads", type=int, default=2, help="kv heads K (count) of the generated checkpoint")
-  p.add_argument("--ffw_dim", type=int, default=1024, help="MLP width F (units) of the generated checkpoint")
-  p.add_argument("--vocab", type=int, default=2048, help="vocab V (tokens) of the generated checkpoint")
+  add_shape_flags(p, dict(d_model=384, n_layers=4, n_heads=6, n_kv_heads=2, ffw_dim=1024, vocab=2048),
+                  " of the generated checkpoint")
   p.add_argument("--batch", type=int, default=8, help="prompts decoded together B (sequences)")
   p.add_argument("--prompt_len", type=int, default=64, help="prompt length P (tokens, all prompts equal)")
   p.add_argument("--new_tokens", type=int, default=64, help="new tokens per prompt N (tokens, no early stop)")
@@ -68,7 +76,7 @@ def parse_args(argv=None):
                  "--hf_threads; for tests (overrides the shape flags)")
   a = p.parse_args(argv)
   if a.quick:
-    a.d_model, a.n_layers, a.n_heads, a.n_kv_heads, a.ffw_dim, a.vocab = 64, 2, 4, 2, 128, 256
+    vars(a).update(QUICK_SHAPE)
     a.batch, a.prompt_len, a.new_tokens, a.chunk_steps, a.reps = 2, 8, 8, 4, 1
     a.hf_threads = a.hf_threads or "1"
   try:

@@ -37,7 +37,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-import bench_decode  # random_params
+import bench_decode  # random_params, the shape flags
 import losses
 import model
 import train  # defines absl flags at import; nothing here parses or reads them
@@ -48,12 +48,7 @@ def parse_args(argv=None):
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--matmul_n", type=int, default=2048, help="peak matmul size n (units) of [n,n] x [n,n] fp32")
   p.add_argument("--matmul_reps", type=int, default=5, help="timed peak matmuls, best is kept (count)")
-  p.add_argument("--d_model", type=int, default=256, help="model width D (units)")
-  p.add_argument("--n_layers", type=int, default=4, help="layers L (count)")
-  p.add_argument("--n_heads", type=int, default=4, help="query heads N (count)")
-  p.add_argument("--n_kv_heads", type=int, default=2, help="kv heads K (count)")
-  p.add_argument("--ffw_dim", type=int, default=1024, help="MLP width F (units)")
-  p.add_argument("--vocab", type=int, default=2048, help="vocab V (tokens)")
+  bench_decode.add_shape_flags(p, dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffw_dim=1024, vocab=2048))
   p.add_argument("--batch", type=int, default=16, help="sequences per step B (sequences)")
   p.add_argument("--seq_len", type=int, default=128, help="tokens per sequence T (tokens; half prompt, half "
                  "completion)")
@@ -69,7 +64,7 @@ def parse_args(argv=None):
   a = p.parse_args(argv)
   if a.quick:
     a.matmul_n, a.matmul_reps, a.steps = 256, 2, 2
-    a.d_model, a.n_layers, a.n_heads, a.n_kv_heads, a.ffw_dim, a.vocab = 64, 2, 4, 2, 128, 256
+    vars(a).update(bench_decode.QUICK_SHAPE)
     a.batch, a.seq_len, a.group_size = 4, 32, 2
     a.kl_coef = 0.0 if a.kl_coef is None else a.kl_coef  # no reference forward: a third less to compile
   for f in ("matmul_n", "matmul_reps", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffw_dim", "vocab",
