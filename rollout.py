@@ -352,9 +352,9 @@ def run_worker():
                          lease_s=FLAGS.lease_s)
       for item in items:
         group_size = int(item["group_size"])
-        if int(item["group_size"]) > FLAGS.slots:
-          raise ValueError(f"group_size={item['group_size']} > --slots={FLAGS.slots}")
-        if int(item["group_size"]) <= len(free):
+        if group_size > FLAGS.slots:
+          raise ValueError(f"group_size={group_size} > --slots={FLAGS.slots}")
+        if group_size <= len(free):
           start(item)
         else:  # not enough room now: hand it straight back so another worker can take it
           client.requeue("prompts", [item["id"]])
