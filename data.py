@@ -26,26 +26,34 @@ Design choices
 - Verifiers return 1.0/0.0. `verify(problem, completion)` dispatches on `problem.task`:
     arithmetic  canonical integer equal to the answer, surrounding whitespace tolerated;
     countdown   as above;
-    math        `math_answer_equal(extract_answer(completion), answer)`: last \\boxed{}/\\fbox{}, else the last
+    math        math-verify on `extract_answer(completion, strict)` (`math_verify_equal`); old: `math_answer_equal`: last \\boxed{}/\\fbox{}, else the last
                 "answer is/answer:" line, else the last number of the last line; integers, decimals,
                 fractions a/b, \\frac{a}{b} (\\dfrac, \\tfrac, \\frac12), negatives, thousands separators
                 ("1,234" only with groups of exactly 3 digits), "x = 5"; numbers compare exactly as Fractions
                 (0.5 == \\frac{1}{2}, 0.333 != 1/3), anything else by whitespace-free string equality;
     code        `run_code`: the last ```python fenced block (or the whole completion) against the tests.
-- Code sandbox (`run_code`): a fresh `python -I` child in its own session and temp dir, minimal environment
-  (no proxies), fed a JSON spec on stdin. Before any candidate code runs, the child sets RLIMIT_CPU, RLIMIT_AS,
-  RLIMIT_FSIZE (caps what it can write to its stdout/stderr files and disk), RLIMIT_NOFILE, RLIMIT_CORE=0,
-  unshares its network namespace when the kernel allows (root: CLONE_NEWNET; otherwise CLONE_NEWUSER|
-  CLONE_NEWNET), drops root to uid/gid 65534 (pre-importing a fixed stdlib set first, since the interpreter
-  may live in an unreadable home dir), sets RLIMIT_NPROC=0 (no fork/threads), and installs an audit hook
-  that denies: opening files outside the temp dir (reads also allowed under the Python prefixes), listing,
-  renaming, symlinking etc. outside it, fork/exec/spawn/subprocess/system/kill, sockets, ctypes, frame and gc
-  introspection. The parent kills the whole process group at the wall-time limit. A program passes only if
-  the child writes a per-run random nonce after all tests passed, so `os._exit(0)` / `sys.exit(0)` cheats
-  fail. Limits: an audit hook is not a security boundary against hostile native code (ctypes and
-  _posixsubprocess imports are blocked; rlimits, uid drop and the net namespace are the OS-level layers);
-  assert-style tests trust the candidate's objects' `__eq__` (an always-equal object passes them), so
-  prefer input/output tests for RL rewards.
+- Code sandbox (`run_code`): a fresh `python -I -S` child (no env vars, no site-packages, no .pth processing) in
+  its own session and temp dir, minimal environment (no proxies). Its spec (code, test inputs or asserts, the
+  nonce) arrives on a pipe and fd 0 is replaced by /dev/null before candidate code runs, so the spec cannot be
+  re-read; expected outputs of io tests never reach the child: it sends back a sha256 of each test's
+  normalised output, tagged with a per-run random nonce, and the PARENT judges. Before any candidate code
+  runs, the child sets RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE (caps each file it writes), RLIMIT_NOFILE,
+  RLIMIT_CORE=0, unshares its network namespace when the kernel allows (root: CLONE_NEWNET; otherwise
+  CLONE_NEWUSER|CLONE_NEWNET), drops root to uid/gid 65534 (pre-importing a fixed stdlib set first, since the
+  interpreter may live in an unreadable home dir), sets RLIMIT_NPROC=0 (no fork/threads), deletes the calls no
+  audit event covers (os/posix.mkfifo, mknod; _imp.create_dynamic, i.e. no new extension module such as
+  _ctypes via ExtensionFileLoader) and installs an audit hook that denies: opening files outside the temp dir
+  (reads also allowed under the Python prefixes; symlinks and /proc/self/{fd,cwd} paths are resolved first),
+  directory fds (so no dir_fd= escape), listing, renaming, symlinking etc. outside it, more than
+  `max_files` write-opens/mkdirs (disk quota: total <= (max_files + 3) * output_bytes), fork/exec/spawn/
+  subprocess/system/kill, sockets, ctypes, frame and gc introspection. The parent kills the whole process
+  group at the wall-time limit. A program passes only if nonce-tagged lines say all tests ran (and, for io
+  tests, their hashes match), so `os._exit(0)` / `sys.exit(0)` cheats fail.
+  What it is NOT: a kernel-level boundary. The audit hook is in-process Python; hostile native code
+  (a CPython memory-corruption bug) would get past it, leaving rlimits, the uid drop and the net namespace.
+  For untrusted code at scale run the verifier in a container / gVisor / nsjail (see README). Assert-style
+  tests trust the candidate's objects' `__eq__` (an always-equal object passes them), so prefer input/output
+  tests for RL rewards. `tests/test_data.py::test_code_known_tricks_score_zero` tries each known trick.
   Tests: a list whose items are either python source strings (asserts run after the program in its
   namespace) or {"input": stdin, "output": expected stdout} (program re-run per case; lines compared after
   stripping trailing whitespace; SystemExit(0) is a normal end).
@@ -94,6 +102,8 @@ import ast
 import dataclasses
 import hashlib
 import json
+import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -126,6 +136,8 @@ class Problem:
   answer: str
   task: str = "math"
   tests: Optional[tuple] = None  # code: items are python source str or (stdin, expected_stdout) pairs
+  system: Optional[str] = None  # chat jsonl: the system turn, rendered by the chat templates
+  source: str = dataclasses.field(default="", compare=False)  # "file:line" for load-time reports
 
   def __post_init__(self):
     # Tests that travelled through JSON arrive as lists: store tuples so the problem stays hashable.
@@ -145,15 +157,76 @@ def reference_completion(problem: Problem) -> str:
   raise ValueError(f"reference_completion: problem {problem.id!r} (task {problem.task!r}) has no reference answer")
 
 
-def render_prompt(problem: Problem, template: str = "plain", system: Optional[str] = None) -> str:
+def render_prompt(problem: Problem, template: str = "plain", system: Optional[str] = None,
+                  chat_template: Optional["ChatTemplate"] = None) -> str:
   """The one place a prompt template is applied. "plain": the prompt as is (built-in tasks).
-  "chatml": Qwen/QwQ-style chat turns ending with the assistant header, ready for generation."""
+  "chatml": Qwen/QwQ-style chat turns ending with the assistant header, ready for generation.
+  "hf": the checkpoint's own Jinja `chat_template` (see load_chat_template), with add_generation_prompt."""
+  system = problem.system if system is None else system
   if template == "plain":
     return problem.prompt
   if template == "chatml":
     sys_turn = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
     return f"{sys_turn}<|im_start|>user\n{problem.prompt}<|im_end|>\n<|im_start|>assistant\n"
-  raise ValueError(f"render_prompt: unknown template {template!r} (expected 'plain' or 'chatml')")
+  if template == "hf":
+    if chat_template is None:
+      raise ValueError("render_prompt: template 'hf' needs chat_template=load_chat_template(checkpoint_dir)")
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": problem.prompt}]
+    return chat_template.render(msgs)
+  raise ValueError(f"render_prompt: unknown template {template!r} (expected 'plain', 'chatml' or 'hf')")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+  """An HF `chat_template` (Jinja) rendered the way transformers' apply_chat_template does: sandboxed
+  environment, trim_blocks/lstrip_blocks, `raise_exception`, bos/eos tokens, add_generation_prompt=True.
+  `kwargs` go to the template as variables (e.g. enable_thinking=False for Qwen3)."""
+  source: str
+  bos_token: str = ""
+  eos_token: str = ""
+  kwargs: tuple = ()  # ((name, value), ...): hashable
+
+  def render(self, messages) -> str:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.exceptions import TemplateError
+
+    def raise_exception(message):
+      raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, separators=None, sort_keys=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+    return env.from_string(self.source).render(messages=messages, add_generation_prompt=True,
+                                               bos_token=self.bos_token, eos_token=self.eos_token,
+                                               **dict(self.kwargs))
+
+
+def load_chat_template(path, **kwargs) -> ChatTemplate:
+  """`path`: a checkpoint dir (or a file inside it) with tokenizer_config.json holding "chat_template"
+  (or a chat_template.jinja file, as newer transformers write)."""
+  folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+  cfg_path = os.path.join(folder, "tokenizer_config.json")
+  cfg = {}
+  if os.path.exists(cfg_path):
+    with open(cfg_path, encoding="utf-8") as f:
+      cfg = json.load(f)
+  src = cfg.get("chat_template")
+  if isinstance(src, list):  # [{"name": "default", "template": ...}, ...]
+    src = next((t["template"] for t in src if t.get("name") == "default"), None)
+  jinja = os.path.join(folder, "chat_template.jinja")
+  if src is None and os.path.exists(jinja):
+    with open(jinja, encoding="utf-8") as f:
+      src = f.read()
+  if not src:
+    raise ValueError(f"load_chat_template: no 'chat_template' in {cfg_path} nor {jinja}; use --template=chatml/plain")
+
+  def tok(field):
+    t = cfg.get(field)
+    return (t.get("content") if isinstance(t, dict) else t) or ""
+
+  return ChatTemplate(src, tok("bos_token"), tok("eos_token"), tuple(sorted(kwargs.items())))
 
 
 def _parse_tests(raw, where):
@@ -172,47 +245,141 @@ def _parse_tests(raw, where):
   return tuple(out)
 
 
-def _problem_from_dict(d, where) -> Problem:
+GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
+SHAPES = ("auto", "prompt", "messages", "gsm8k", "math")
+
+
+def detect_shape(d) -> Optional[str]:
+  """Which jsonl shape a record has: "prompt" {"prompt","answer"}, "messages" {"messages":[...],"answer"},
+  "gsm8k" {"question","answer": "... #### N"}, "math" {"problem","solution": "... \\boxed{X}"}; None if none."""
+  if "prompt" in d:
+    return "prompt"
+  if "messages" in d:
+    return "messages"
+  if "question" in d:
+    return "gsm8k"
+  if "problem" in d:
+    return "math"
+  return None
+
+
+def _need_str(d, field, where):
+  if field not in d:
+    raise ValueError(f"{where}: missing field {field!r}")
+  if not isinstance(d[field], str):
+    raise ValueError(f"{where}: field {field!r} must be a string, got {type(d[field]).__name__}")
+  return d[field]
+
+
+def _problem_from_dict(d, where, shape="auto", default_id=None) -> Problem:
   if not isinstance(d, dict):
     raise ValueError(f"{where}: expected a JSON object, got {type(d).__name__}")
-  for field in ("id", "prompt", "answer"):
-    if field not in d:
-      raise ValueError(f"{where}: missing field {field!r}")
-  if isinstance(d["id"], bool) or not isinstance(d["id"], (str, int)):
-    raise ValueError(f"{where}: field 'id' must be a string or int, got {d['id']!r:.80}")
-  if not isinstance(d["prompt"], str):
-    raise ValueError(f"{where}: field 'prompt' must be a string, got {type(d['prompt']).__name__}")
-  answer = d["answer"]
-  if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-    raise ValueError(f"{where}: field 'answer' must be a string or number, got {answer!r:.80}")
+  if shape == "auto":
+    shape = detect_shape(d)
+    if shape is None:
+      raise ValueError(f"{where}: unknown record shape (fields {sorted(d)[:8]}); expected 'prompt'+'answer', "
+                       f"'messages'+'answer', GSM8K 'question'+'answer' or MATH 'problem'+'solution'")
+  elif shape not in SHAPES:
+    raise ValueError(f"load_jsonl: unknown shape {shape!r} (expected one of {SHAPES})")
+  system = None
+  if shape == "gsm8k":
+    prompt, ans = _need_str(d, "question", where), _need_str(d, "answer", where)
+    m = GSM8K_FINAL.search(ans)
+    if not m:
+      raise ValueError(f"{where}: field 'answer' has no GSM8K '#### N' final answer: {ans[-60:]!r}")
+    answer = m.group(1).replace(",", "")
+  elif shape == "math":
+    prompt, sol = _need_str(d, "problem", where), _need_str(d, "solution", where)
+    answer = d["answer"] if isinstance(d.get("answer"), str) else extract_answer(sol, strict=True)
+    if answer is None:
+      raise ValueError(f"{where}: field 'solution' has no \\boxed{{}} answer (and no 'answer' field)")
+  else:
+    if shape == "messages":
+      msgs = d.get("messages")
+      if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                and m.get("role") in ("system", "user", "assistant") for m in msgs):
+        raise ValueError(f"{where}: field 'messages' must be a list of {{'role': system|user|assistant, 'content': str}}")
+      users = [m["content"] for m in msgs if m["role"] == "user"]
+      if not users:
+        raise ValueError(f"{where}: field 'messages' has no user turn")
+      prompt = users[-1]
+      system = next((m["content"] for m in msgs if m["role"] == "system"), None)
+    else:
+      prompt = _need_str(d, "prompt", where)
+    if "answer" not in d:
+      raise ValueError(f"{where}: missing field 'answer'")
+    answer = d["answer"]
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+      raise ValueError(f"{where}: field 'answer' must be a string or number, got {answer!r:.80}")
+    if isinstance(answer, float) and not math.isfinite(answer):
+      raise ValueError(f"{where}: field 'answer' must be finite, got {answer!r}")
+  pid = d.get("id", default_id)
+  if pid is None:
+    raise ValueError(f"{where}: missing field 'id'")
+  if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+    raise ValueError(f"{where}: field 'id' must be a string or int, got {pid!r:.80}")
   tests = _parse_tests(d["tests"], where) if d.get("tests") is not None else None
   task = d.get("task", "code" if tests else "math")
   if task not in TASKS:
     raise ValueError(f"{where}: field 'task' must be one of {TASKS}, got {task!r:.80}")
   if task == "code" and not tests:
     raise ValueError(f"{where}: task 'code' needs a non-empty 'tests' list")
-  return Problem(str(d["id"]), d["prompt"], str(answer), task, tests)
+  return Problem(str(pid), prompt, str(answer), task, tests, system, where)
 
 
-def load_jsonl(path) -> list:
-  """Reads {"id", "prompt", "answer", optional "tests", "task"} lines (blank lines skipped, extra fields
-  ignored). Any bad line raises ValueError naming path:line and the field."""
+def _refuse_constant(name):
+  raise ValueError(f"non-finite number {name} is not allowed (numbers must be finite)")
+
+
+def load_jsonl(path, shape: str = "auto") -> list:
+  """Reads one problem per line in any of the shapes detect_shape knows (`shape` forces one; "auto" detects
+  per line). "id" is optional outside the "prompt" shape (default: the line number). Blank lines skipped,
+  extra fields ignored. Any bad line raises ValueError naming path:line and the field."""
   problems, seen = [], {}
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, 1):
       where = f"{path}:{lineno}"
       try:
-        d = json.loads(line)
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 4]!r})") from None
+      if not line.strip():
+        continue
+      try:
+        d = json.loads(line, parse_constant=_refuse_constant)
       except json.JSONDecodeError as e:
         raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-      p = _problem_from_dict(d, where)
+      except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deeply") from None
+      except ValueError as e:  # e.g. an int literal over Python's 4300-digit limit, or NaN/Infinity
+        raise ValueError(f"{where}: {e}") from None
+      default_id = None if (isinstance(d, dict) and "prompt" in d and shape in ("auto", "prompt")) else f"L{lineno}"
+      p = _problem_from_dict(d, where, shape, default_id)
       if p.id in seen:
         raise ValueError(f"{where}: duplicate id {p.id!r} (first seen on line {seen[p.id]})")
       seen[p.id] = lineno
       problems.append(p)
   return problems
+
+
+def fit_prompts(problems, encode: Callable, max_new_tokens: int, max_seq_len: int):
+  """Splits problems into (kept, skipped) by whether prompt tokens + max_new_tokens <= max_seq_len.
+  encode(problem) -> token ids (rendered template included). skipped: [(problem, n_tokens)], each logged with
+  its file:line, length and the limit, so a prompt that cannot fit is refused at load, never in a worker."""
+  kept, skipped, lengths = [], [], []
+  limit = max_seq_len - max_new_tokens
+  for p in problems:
+    n = len(encode(p))
+    if n > limit:
+      skipped.append((p, n))
+      logging.warning("%s: prompt %r has %d tokens > limit %d (max_seq_len %d - max_new_tokens %d): skipped",
+                      p.source or "?", p.id, n, limit, max_seq_len, max_new_tokens)
+    else:
+      kept.append(p)
+      lengths.append(n)
+  if skipped:
+    logging.warning("fit_prompts: skipped %d of %d prompts that cannot fit", len(skipped), len(problems))
+  return kept, skipped, max(lengths, default=0)
 
 
 def write_jsonl(path, problems, pass_rates: Optional[dict] = None):
@@ -557,9 +724,9 @@ def _last_braced(text, start):
   return None
 
 
-def extract_answer(text: str) -> Optional[str]:
-  """Last \\boxed{}/\\fbox{} content; else the text after the last "answer is"/"answer:"; else the last
-  number of the last non-empty line; else None."""
+def extract_answer(text: str, strict: bool = False) -> Optional[str]:
+  """Last \\boxed{}/\\fbox{} content; unless strict: else the text after the last "answer is"/"answer:", else
+  a GSM8K "#### N", else the last number of the last non-empty line; else None."""
   idx = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
   if idx >= 0:
     rest = idx + (6 if text.startswith("\\boxed", idx) else 5)
@@ -571,12 +738,38 @@ def extract_answer(text: str) -> Optional[str]:
       m = re.match(r"\s+([^\s$]+)", text[rest:])  # "\boxed 5"
       if m:
         return m.group(1)
+  if strict:
+    return None
   marks = list(re.finditer(r"answer\s*(?:is|:)\s*(.+)", text, re.IGNORECASE))
   if marks:
     return marks[-1].group(1).strip()
+  m = GSM8K_FINAL.search(text)
+  if m:
+    return m.group(1)
   lines = [ln for ln in text.splitlines() if ln.strip()]
   nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+", lines[-1]) if lines else []
   return nums[-1] if nums else None
+
+
+def math_verify_equal(pred: Optional[str], ref: str, timeout_s: int = 5) -> bool:
+  """Hugging Face math-verify (pinned in requirements.txt): parses both sides to sympy (LaTeX or plain) and
+  compares them (fractions vs decimals, \\sqrt, \\pi, intervals, sets, units, \\text{(B)}). A GSM8K "#### N"
+  reference counts as N. Its timeouts use SIGALRM, so they apply in the main thread (the VerifierPool's
+  processes); elsewhere they are off (math_verify's own rule). Any parser error scores False."""
+  import math_verify
+  import threading
+  if pred is None or not pred.strip():
+    return False
+  m = GSM8K_FINAL.search(ref)
+  ref = m.group(1).replace(",", "") if m else ref
+  t = timeout_s if threading.current_thread() is threading.main_thread() else None
+  wrap = lambda x: x if "\\boxed" in x or "$" in x else f"${x}$"
+  try:
+    gold = math_verify.parse(wrap(ref), parsing_timeout=t)
+    got = math_verify.parse(wrap(pred), parsing_timeout=t)
+    return bool(gold and got and math_verify.verify(gold, got, timeout_seconds=t))
+  except Exception:  # noqa: BLE001 - a verifier never crashes its caller on one answer
+    return False
 
 
 def _normalize(s: str) -> str:
@@ -630,6 +823,7 @@ class SandboxLimits:
   cpu_s: int = 5                # RLIMIT_CPU (SIGXCPU)
   mem_mb: int = 512             # RLIMIT_AS
   output_bytes: int = 1 << 20   # RLIMIT_FSIZE and the captured-output cap per test
+  max_files: int = 32           # disk quota: write-opens + mkdirs per run, so disk use <= (max_files+3) * output_bytes
   audit_hook: bool = True       # False only to test the OS-level layers on their own
 
 
@@ -643,10 +837,15 @@ class CodeResult:
 
 # Runs inside the sandboxed child as `python -I -c _RUNNER`. Everything it needs after user code starts is
 # bound to locals first, so user code cannot monkeypatch the checker (it cannot reach frames or gc either).
-_RUNNER = r'''
+_RUNNER = r"""
 def _main():
-  import sys, os, io, json, resource
+  import sys, os, io, json, resource, hashlib
+  # The spec arrives on a pipe (unseekable) and fd 0 becomes /dev/null before any candidate code runs: the
+  # candidate cannot re-read its spec. Expected outputs are never in it (the parent compares hashes).
   spec = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+  null = os.open("/dev/null", os.O_RDONLY)
+  os.dup2(null, 0)
+  os.close(null)
   nonce, lim, result_fd, work = spec["nonce"], spec["limits"], spec["result_fd"], os.getcwd()
   status = []
   setr = resource.setrlimit
@@ -663,15 +862,17 @@ def _main():
     status.append("net=unshared" if libc.unshare(flags) == 0 else "net=shared")
   except Exception:
     status.append("net=shared")
+  # The usual stdlib is imported now: the interpreter may sit in a home dir nobody cannot read (root drops to
+  # 65534 below), and extension modules cannot load once _imp.create_dynamic is gone (below).
+  for m in ("math", "cmath", "re", "collections", "itertools", "functools", "heapq", "bisect", "string",
+            "random", "fractions", "decimal", "statistics", "typing", "dataclasses", "copy", "operator",
+            "array", "datetime", "textwrap", "unicodedata", "enum", "abc", "numbers", "struct", "time", "json",
+            "hashlib", "io", "os", "sys"):
+    try:
+      __import__(m)
+    except Exception:
+      pass
   if root:
-    # The interpreter may sit in a home dir nobody cannot read: import the usual stdlib before dropping root.
-    for m in ("math", "cmath", "re", "collections", "itertools", "functools", "heapq", "bisect", "string",
-              "random", "fractions", "decimal", "statistics", "typing", "dataclasses", "copy", "operator",
-              "array", "datetime", "textwrap", "unicodedata", "enum", "abc", "numbers", "struct", "time"):
-      try:
-        __import__(m)
-      except Exception:
-        pass
     os.chown(work, 65534, 65534)
     os.setgroups([])
     os.setgid(65534)
@@ -686,8 +887,14 @@ def _main():
   setr(resource.RLIMIT_NPROC, (0, 0))  # no fork, no threads (enforced for non-root uids)
   for m in ("ctypes", "_ctypes", "ctypes._endian"):
     sys.modules.pop(m, None)
+  # Calls the audit hook cannot see (no audit event): removed from the module objects themselves.
+  import posix, _imp
+  for mod, names in ((os, ("mkfifo", "mknod")), (posix, ("mkfifo", "mknod")), (_imp, ("create_dynamic",))):
+    for n in names:
+      if hasattr(mod, n):
+        delattr(mod, n)
   os.write(result_fd, (" ".join(status) + "\n").encode())
-  isinstance_, str_, bytes_ = isinstance, str, bytes
+  isinstance_, str_, bytes_, int_, isdir = isinstance, str, bytes, int, os.path.isdir
   if lim["audit_hook"]:
     prefixes = tuple(sorted({os.path.realpath(p) + os.sep for p in
                              (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}))
@@ -695,54 +902,65 @@ def _main():
     deny_prefix = ("os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "os.kill",
                    "os.killpg", "os.chdir", "os.chroot", "subprocess.", "socket.", "ctypes.", "sys._getframe",
                    "sys._current_frames", "gc.", "object.__getattr__", "object.__setattr__", "object.__delattr__",
-                   "sys.setprofile", "sys.settrace", "pty.", "winreg.", "mmap.", "signal.")
+                   "sys.setprofile", "sys.settrace", "pty.", "winreg.", "mmap.", "signal.", "os.fchdir")
     blocked_imports = ("ctypes", "_ctypes", "_posixsubprocess", "subprocess", "multiprocessing", "_multiprocessing",
-                       "socket", "_socket", "ssl", "pty", "gc")
+                       "socket", "_socket", "ssl", "pty", "gc", "_imp")
     path_events = ("os.listdir", "os.scandir", "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod",
                    "os.chown", "os.truncate", "os.utime", "os.link", "os.symlink", "shutil.rmtree", "os.chflags")
+    creates = [0]  # disk quota: at most max_files write-opens/mkdirs, each capped by RLIMIT_FSIZE
     def inside(p, read):
-      if isinstance_(p, int):
+      if isinstance_(p, int_):
         return True  # inherited fds only (0,1,2 and the result fd)
       if isinstance_(p, bytes_):
         p = p.decode("utf-8", "replace")
       rp = realpath(str_(p)) + "/"
       return rp.startswith(work_sep) or (read and (rp.startswith(prefixes) or rp == "/dev/null/"))
+    def count_create():
+      creates[0] += 1
+      if creates[0] > lim["max_files"]:
+        raise PermissionError(f"sandbox: more than {lim['max_files']} files written (disk quota)")
     def hook(event, args):
       if event == "open":
         if isinstance_(args[1], str_):  # open()/io.open_code: a mode string
           read_only = "r" in args[1] and "+" not in args[1]
         else:  # os.open: flags; read-only means O_RDONLY without O_CREAT/O_TRUNC
+          # A directory fd would let dir_fd= paths (checked here against the cwd) escape: no directory fds.
+          if args[2] & os.O_DIRECTORY or (not isinstance_(args[0], int_) and isdir(args[0])):
+            raise PermissionError(f"sandbox: os.open of a directory ({args[0]!r}) is blocked")
           read_only = (args[2] & 3) == 0 and not args[2] & (os.O_CREAT | os.O_TRUNC)
         if not inside(args[0], read=read_only):
           raise PermissionError(f"sandbox: open({args[0]!r}) outside the work dir")
+        if not read_only:
+          count_create()
       elif event in path_events:
         for a in args[:2]:
           if isinstance_(a, (str_, bytes_)) and not inside(a, read=False):
             raise PermissionError(f"sandbox: {event}({a!r}) outside the work dir")
+        if event in ("os.mkdir", "os.symlink", "os.link"):
+          count_create()
       elif event == "import":
         if args[0].split(".")[0] in blocked_imports:
           raise ImportError(f"sandbox: import {args[0]} is blocked")
       elif event.startswith(deny_prefix):
         raise PermissionError(f"sandbox: {event} is blocked")
     sys.addaudithook(hook)
-  code, tests = spec["code"], spec["tests"]
+  code, tests, io_mode = spec["code"], spec["tests"], spec["io"]
   del spec
   exec_, compile_, TextIOWrapper, BytesIO, BaseException_, SystemExit_ = exec, compile, io.TextIOWrapper, io.BytesIO, BaseException, SystemExit
-  cap, write, stdin0, stdout0 = lim["output_bytes"], os.write, sys.stdin, sys.stdout
+  cap, write, stdin0, stdout0, sha = lim["output_bytes"], os.write, sys.stdin, sys.stdout, hashlib.sha256
+  norm = lambda s: "\n".join(ln.rstrip() for ln in s.rstrip().splitlines())
   ok = True
   try:
     prog = compile_(code, "solution.py", "exec")
-    if all(isinstance_(t, str_) for t in tests):
+    if not io_mode:
       g = {"__name__": "__main__"}
       exec_(prog, g)
       for t in tests:
         exec_(compile_(t, "test.py", "exec"), g)
     else:
-      for t in tests:
-        if isinstance_(t, str_):
-          raise ValueError("mixing assert tests with input/output tests is not supported")
+      for i, t in enumerate(tests):
         buf = BytesIO()
-        sys.stdin = TextIOWrapper(BytesIO(t[0].encode("utf-8")), encoding="utf-8")
+        sys.stdin = TextIOWrapper(BytesIO(t.encode("utf-8")), encoding="utf-8")
         sys.stdout = out = TextIOWrapper(buf, encoding="utf-8", write_through=True)
         try:
           exec_(prog, {"__name__": "__main__"})
@@ -755,10 +973,8 @@ def _main():
         if len(got) > cap:
           ok = False
           break
-        norm = lambda s: "\n".join(ln.rstrip() for ln in s.rstrip().splitlines())
-        if norm(got.decode("utf-8", "replace")) != norm(t[1]):
-          ok = False
-          break
+        # Only a hash of this test's output goes back; the parent holds the expected output and judges.
+        write(result_fd, f"{nonce} out {i} {sha(norm(got.decode('utf-8', 'replace')).encode()).hexdigest()}\n".encode())
   except BaseException_ as e:
     ok = False
     sys.stdin, sys.stdout = stdin0, stdout0
@@ -767,17 +983,36 @@ def _main():
     except BaseException_:
       pass
   if ok:
-    write(result_fd, nonce.encode())
+    write(result_fd, f"{nonce} done\n".encode())
 _main()
-'''
+"""
+
+
+def _norm_output(s: str) -> str:
+  return "\n".join(ln.rstrip() for ln in s.rstrip().splitlines())  # the same rule as the child's `norm`
+
+
+def _judge(lines, nonce, tests) -> bool:
+  """The parent's verdict from the child's result lines. Only lines carrying the nonce count (the candidate
+  never sees it); io outputs are compared here, against expected outputs the child never received."""
+  mine = [ln.split(" ")[1:] for ln in lines if ln.startswith(nonce + " ")]
+  if ["done"] not in mine:
+    return False
+  if all(isinstance(t, str) for t in tests):
+    return True
+  got = {int(m[1]): m[2] for m in mine if len(m) == 3 and m[0] == "out" and m[1].isdigit()}
+  return all(got.get(i) == hashlib.sha256(_norm_output(t[1]).encode()).hexdigest() for i, t in enumerate(tests))
 
 
 def run_code(code: str, tests, limits: SandboxLimits = SandboxLimits()) -> CodeResult:
   """Runs `code` against `tests` in the sandbox described in the module docstring. Never raises for
   anything the program does; returns within about limits.wall_s."""
-  tests = [t if isinstance(t, str) else list(t) for t in (tests or ())]
+  tests = [t if isinstance(t, str) else tuple(t) for t in (tests or ())]
   if not tests:
     raise ValueError("run_code: no tests given")
+  io_mode = not all(isinstance(t, str) for t in tests)
+  if io_mode and any(isinstance(t, str) for t in tests):
+    raise ValueError("run_code: tests mix assert strings with input/output cases; use one kind")
   with tempfile.TemporaryDirectory(prefix="rlax-code-") as root:
     os.chmod(root, 0o711)  # the child may drop to uid 65534 and must still reach work/
     work = os.path.join(root, "work")
@@ -785,47 +1020,47 @@ def run_code(code: str, tests, limits: SandboxLimits = SandboxLimits()) -> CodeR
     nonce = secrets.token_hex(16)
     # stdout/stderr go to files so RLIMIT_FSIZE kills a flood at once (a pipe could fill, /dev/null never would).
     with open(os.path.join(root, "result"), "w+b") as res, open(os.path.join(root, "stderr"), "w+b") as err, \
-        open(os.path.join(root, "stdout"), "wb") as out, tempfile.TemporaryFile(dir=root) as spec_f:
-      spec = {"nonce": nonce, "code": code, "tests": tests, "result_fd": res.fileno(), "ppid": os.getpid(),
-              "limits": dataclasses.asdict(limits)}
-      spec_f.write(json.dumps(spec).encode())
-      spec_f.seek(0)
+        open(os.path.join(root, "stdout"), "wb") as out:
+      spec = {"nonce": nonce, "code": code, "tests": [t[0] if io_mode else t for t in tests], "io": io_mode,
+              "result_fd": res.fileno(), "ppid": os.getpid(), "limits": dataclasses.asdict(limits)}
       env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "PYTHONHASHSEED": "0",
              "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-      proc = subprocess.Popen([sys.executable, "-I", "-c", _RUNNER], cwd=work, stdin=spec_f,
+      # -I: no env vars, no user site; -S: no site-packages on sys.path and no .pth processing.
+      proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _RUNNER], cwd=work, stdin=subprocess.PIPE,
                               stdout=out, stderr=err, env=env, close_fds=True,
                               pass_fds=(res.fileno(),), start_new_session=True)
       try:
-        rc = proc.wait(timeout=limits.wall_s)
+        proc.communicate(json.dumps(spec).encode(), timeout=limits.wall_s)
+        rc = proc.returncode
         reason = "ok" if rc == 0 else f"killed by signal {-rc}" if rc < 0 else f"exit {rc}"
       except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the whole session/process group, before reaping
         proc.wait()
         rc, reason = None, "timeout"
       res.seek(0)
-      lines = res.read(4096).decode("utf-8", "replace").split("\n")
+      lines = res.read(1 << 20).decode("utf-8", "replace").split("\n")
       err.seek(0)
       stderr = err.read(limits.output_bytes).decode("utf-8", "replace")[-2000:]
-    passed = rc == 0 and len(lines) >= 2 and lines[-1] == nonce
+    passed = rc == 0 and _judge(lines[1:], nonce, tests)
     if reason == "ok" and not passed:
       reason = "failed"
     return CodeResult(passed, reason, stderr, lines[0] if lines else "")
 
 
-def verify(problem: Problem, completion: str, limits: SandboxLimits = SandboxLimits()) -> float:
+def verify(problem: Problem, completion: str, limits: SandboxLimits = SandboxLimits(), strict_math: bool = True) -> float:
   """Reward in {0.0, 1.0} for `completion` (the decoded text after the prompt, eos already stripped)."""
   if problem.task == "arithmetic":
     return _verify_arithmetic(problem.answer, completion)
   if problem.task == "countdown":
     return _verify_countdown(problem.prompt, completion)
-  if problem.task == "math":
-    return float(math_answer_equal(extract_answer(completion), problem.answer))
+  if problem.task == "math":  # math-verify on the extracted answer; strict: only a \\boxed{} answer counts
+    return float(math_verify_equal(extract_answer(completion, strict=strict_math), problem.answer))
   if problem.task == "code":
     return float(run_code(_extract_code(completion), problem.tests, limits).passed)
   raise ValueError(f"verify: problem {problem.id!r} has unknown task {problem.task!r}")
 
 
-def _pool_worker(conn, limits, tmp_dir):
+def _pool_worker(conn, limits, tmp_dir, strict_math=True):
   # Runs in a spawned process: scores jobs until the pipe closes. Exceptions score 0 and are reported.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   tempfile.tempdir = tmp_dir  # sandbox dirs of a killed worker are then removed by the pool
@@ -836,7 +1071,7 @@ def _pool_worker(conn, limits, tmp_dir):
     except (EOFError, OSError):
       return
     try:
-      conn.send((idx, verify(problem, completion, limits), None))
+      conn.send((idx, verify(problem, completion, limits, strict_math), None))
     except Exception as e:  # a verifier bug must not take the pool down
       conn.send((idx, 0.0, f"{type(e).__name__}: {e}"))
 
@@ -846,10 +1081,12 @@ class VerifierPool:
   a call still running after timeout_s scores 0 and its worker is killed and replaced. max_workers=0 runs
   verify() inline (no isolation, no timeout). Counters: timeouts, crashes, errors (last in last_error)."""
 
-  def __init__(self, max_workers: int = 2, timeout_s: float = 30.0, limits: SandboxLimits = SandboxLimits()):
+  def __init__(self, max_workers: int = 2, timeout_s: float = 30.0, limits: SandboxLimits = SandboxLimits(),
+               strict_math: bool = True):
     if max_workers < 0 or timeout_s <= 0:
       raise ValueError(f"VerifierPool: need max_workers >= 0 and timeout_s > 0, got {max_workers}, {timeout_s}")
     self.max_workers, self.timeout_s, self.limits = max_workers, timeout_s, limits
+    self.strict_math = strict_math
     self.startup_timeout_s = 120.0
     self._ctx = multiprocessing.get_context("spawn")  # fork after JAX/threads is unsafe
     self._tmp = tempfile.mkdtemp(prefix="rlax-verifier-") if max_workers else None
@@ -863,7 +1100,7 @@ class VerifierPool:
     tmp_dir = os.path.join(self._tmp, f"w{self._spawned}")
     os.mkdir(tmp_dir)
     self._spawned += 1
-    proc = self._ctx.Process(target=_pool_worker, args=(child, self.limits, tmp_dir), daemon=True)
+    proc = self._ctx.Process(target=_pool_worker, args=(child, self.limits, tmp_dir, self.strict_math), daemon=True)
     proc.start()
     child.close()
     return [proc, parent, tmp_dir]
@@ -890,7 +1127,7 @@ class VerifierPool:
     if len(problems) != len(completions):
       raise ValueError(f"VerifierPool.score: {len(problems)} problems but {len(completions)} completions")
     if self.max_workers == 0:
-      return [verify(p, c, self.limits) for p, c in zip(problems, completions)]
+      return [verify(p, c, self.limits, self.strict_math) for p, c in zip(problems, completions)]
     if not self._workers:
       self._workers = self._await_ready([self._spawn() for _ in range(self.max_workers)])
     scores, pending, free = [0.0] * len(problems), deque(range(len(problems))), list(self._workers)
@@ -1019,16 +1256,18 @@ class PassRateTracker:
     self.stats = {str(k): [int(v[0]), float(v[1]), float(v[2])] for k, v in d["stats"].items()}
 
 
+def group_has_signal(rewards, eps: float = 1e-6) -> bool:
+  """The one dynamic-sampling criterion (DAPO): a group's rewards are not all equal (max - min > eps); a group
+  that fails it carries no GRPO advantage. Used by train.py and dynamic_sampling_filter."""
+  r = np.asarray(rewards, np.float64)
+  return bool(r.size) and float(r.max() - r.min()) > eps
+
+
 def dynamic_sampling_filter(groups, key: Optional[Callable] = None, eps: float = 1e-6) -> list:
-  """DAPO dynamic sampling: keeps the groups whose rewards (key(group), default the group itself) are not
-  all equal (max - min > eps); such groups carry no GRPO advantage. The caller refills the batch."""
+  """DAPO dynamic sampling: keeps the groups whose rewards (key(group), default the group itself) pass
+  group_has_signal. The caller refills the batch."""
   key = key or (lambda g: g)
-  kept = []
-  for g in groups:
-    r = np.asarray(key(g), np.float64)
-    if r.size and float(r.max() - r.min()) > eps:
-      kept.append(g)
-  return kept
+  return [g for g in groups if group_has_signal(key(g), eps)]
 
 
 # ---------------------------------------------------------------------------------------------- batching
@@ -1126,7 +1365,50 @@ def pack(prompt_ids_list, completion_ids_list, seq_len: int, pad_id: int = 0, nu
   return out
 
 
+# Hand-labelled (predicted answer, reference, equal?) pairs of the kinds GSM8K and MATH produce. The prediction
+# is scored as the completion "... \boxed{pred}". `python data.py math_agreement` prints both verifiers' agreement.
+MATH_PAIRS = (
+    ("\\frac{1}{2}", "0.5", 1), ("0.5", "\\frac12", 1), ("\\dfrac{3}{4}", "3/4", 1), ("0.33", "\\frac{1}{3}", 0),
+    ("2\\sqrt{2}", "\\sqrt{8}", 1), ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", 1), ("\\frac{1}{\\sqrt{2}}", "\\frac{\\sqrt2}{2}", 1),
+    ("2\\pi", "2 \\pi", 1), ("\\pi/2", "\\frac{\\pi}{2}", 1), ("3.14", "\\pi", 0), ("6.28", "2\\pi", 0),
+    ("(1, 3]", "(1,3]", 1), ("(1,3)", "[1,3]", 0), ("[2, \\infty)", "[2,\\infty)", 1), ("(-\\infty, 0)", "(-\\infty,0)", 1),
+    ("\\{1, 2, 3\\}", "\\{3,2,1\\}", 1), ("\\{1,2\\}", "\\{1,2,3\\}", 0), ("1, 2, 3", "3, 2, 1", 1),
+    ("5 \\text{ cm}", "5", 1), ("12\\text{ dollars}", "12", 1), ("\\$18", "18", 1), ("90^\\circ", "90", 1),
+    ("25\\%", "25", 1), ("7 \\text{ cm}", "5", 0),
+    ("\\text{(B)}", "\\text{(B)}", 1), ("B", "\\text{(B)}", 1), ("(C)", "\\text{(B)}", 0),
+    ("18", "Janet sells 16 - 3 - 4 = 9 eggs... 9 * 2 = 18 dollars.\n#### 18", 1),
+    ("72", "She has 48 + 24 = 72 clips.\n#### 72", 1), ("70", "48 + 24 = 72\n#### 72", 0),
+    ("1,234", "1234", 1), ("-3", "-3.0", 1), ("3", "-3", 0), ("x = 5", "5", 1), ("y=2x+1", "2x+1", 1),
+    ("x^2+2x+1", "(x+1)^2", 1), ("\\frac{x+1}{2}", "\\frac{1+x}{2}", 1), ("2x", "x^2", 0),
+    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", 1),
+    ("10^{3}", "1000", 1), ("1e3", "1000", 1), ("\\frac{10}{4}", "2.5", 1), ("5/2", "\\frac{5}{2}", 1),
+    ("\\sqrt{3}", "1.732", 0), ("\\infty", "\\infty", 1), ("0.1", "\\frac{1}{10}", 1),
+)
+
+
+def math_agreement(pairs=MATH_PAIRS):
+  """Fraction of `pairs` on which each verifier agrees with the hand label: old (math_answer_equal, lenient
+  extraction) and new (math-verify, strict \\boxed{} extraction). Returns (old, new, disagreements of new)."""
+  old = new = 0
+  wrong = []
+  for pred, ref, label in pairs:
+    completion = f"So the answer follows.\n\\boxed{{{pred}}}"
+    o = math_answer_equal(extract_answer(completion), ref)
+    n = math_verify_equal(extract_answer(completion, strict=True), ref)
+    old += o == bool(label)
+    new += n == bool(label)
+    if n != bool(label):
+      wrong.append((pred, ref, label))
+  return old / len(pairs), new / len(pairs), wrong
+
+
 if __name__ == "__main__":
+  if sys.argv[1:] == ["math_agreement"]:
+    o, n, wrong = math_agreement()
+    print(f"{len(MATH_PAIRS)} hand-labelled pairs: old verifier agrees {o:.1%}, math-verify (strict boxed) {n:.1%}")
+    for w in wrong:
+      print("  math-verify disagrees:", w)
+    sys.exit(0)
   # Prints sample problems and the figures quoted in the README (timings depend on the machine's load).
   with tempfile.TemporaryDirectory() as d:
     for task in ("arithmetic", "countdown"):

@@ -4,20 +4,28 @@
 #   bash launch.sh local [flags]     this machine: build tokenizer + base policy if missing, eval before, run RL with
 #                                    a server, a trainer (--trainer_procs JAX processes) and --workers workers,
 #                                    restarting any that die, eval after, print the before/after pass@k table.
-#   bash launch.sh stop [--run_dir=D]   SIGTERM every process of a local run (they checkpoint / drain), then kill.
+#   bash launch.sh stop [--run_dir=D]   ordered stop of a local run: trainer (final checkpoint), workers, server.
 #   bash launch.sh test [pytest args]   install test deps into .venv and run the CPU suite (8 fake devices).
-#   bash launch.sh v5p-N | v6e-N --tpu=NAME --zone=Z [--infer_tpu=NAME2] [--dry_run]
-#                                    TPU pods: the trainer runs on every host of slice --tpu (one JAX process per
-#                                    host, jax.distributed over the slice), the server on its host 0, one inference
-#                                    worker per host of slice --infer_tpu (default: the same slice size, named
-#                                    NAME-infer), each using its local chips. --dry_run prints the exact commands.
+#   bash launch.sh v5p-N | v5e-N | v6e-N --tpu=NAME --zone=Z [--infer_tpu=NAME2 --infer_size=SIZE] [--spot]
+#       [--init_checkpoint=D --tokenizer=T --run_dir=R --port=5555 --coord_port=8476 --worker_args="..."
+#        --poll_s=30 --state_dir=runs/pod-NAME --runtime=V] [--dry_run | --stop] [-- train.py flags]
+#                                    TPU pods: per-host setup (project copy, pinned jax[tpu], token by scp), the
+#                                    server on trainer host 0 (+ a shard server on each other trainer host),
+#                                    trainer process i on trainer host i, worker i on inference host i, each under
+#                                    a per-host supervisor (launch.sh host); polls for DONE / FAILED and, with
+#                                    --spot, re-creates a preempted slice. --dry_run prints the exact gcloud
+#                                    commands. Multi-host checkpoints need shared storage: -- --checkpoint_dir=gs://..
+#                                    (host, host_setup, host_stop, host_status: run on the hosts by the launcher.)
 #
-# local flags: --run_dir=runs/local --workers=2 --trainer_procs=1 --steps=N --init_checkpoint=HF_DIR
-#   --tokenizer=PATH --train_jsonl=F --eval_jsonl=F --port=5555 --max_new_tokens=8 --template=plain
-#   --worker_args="--lease_s=30 ..." --skip_eval;
+# local flags: --run_dir=runs/local --workers=2 --trainer_procs=1 (also N shard servers) --worker_devices=1
+#   (fake CPU devices per worker, tensor parallel) --steps=N --init_checkpoint=HF_DIR
+#   --tokenizer=PATH (default: the checkpoint dir) --train_jsonl=F --eval_jsonl=F --port=free
+#   --max_new_tokens=8 (demo) / 1024 (real model) --template=plain --worker_args="--lease_s=30 ..."
+#   --skip_eval --eval_builtin (a real model evaluated on the demo's arithmetic, explicitly);
 #   anything after "--" goes to train.py.
-# Layout of a run dir: logs/<role>.log, pids/<role>.pid, token (server secret), tokenizer-arithmetic.model, base/ (HF
-# checkpoint of the warm-started policy), ckpt/ (trainer), server/ (server persistence), final/, eval_*.json.
+# Layout of a run dir: run.json (the run's identity and flags), ports, logs/<role>.log, pids/<role>.pid, token
+# (server secret), tokenizer-arithmetic.model, base/ (HF checkpoint of the warm-started policy), ckpt/ (trainer),
+# server/ (server persistence), jax_cache/ (compiled programs), final/, eval_*.json; STOP while stopping.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")" && pwd)"
 cd "$ROOT"
@@ -39,14 +47,15 @@ setup_venv() {
 # ---------------------------------------------------------------------------------------------------------------
 # local: supervised processes on this machine
 
-RUN_DIR=runs/local; WORKERS=2; TRAINER_PROCS=1; PORT=5555; STEPS=""; INIT_CKPT=""; TOKENIZER=""
-TRAIN_JSONL=""; EVAL_JSONL=""; EXTRA=(); WORKER_ARGS=""; SKIP_EVAL=0; MAX_NEW=8; TEMPLATE=plain
+RUN_DIR=runs/local; WORKERS=2; TRAINER_PROCS=1; WORKER_DEVICES=1; PORT=""; STEPS=""; INIT_CKPT=""; TOKENIZER=""
+TRAIN_JSONL=""; EVAL_JSONL=""; EXTRA=(); WORKER_ARGS=""; SKIP_EVAL=0; EVAL_BUILTIN=0; MAX_NEW=""; TEMPLATE=plain
 parse_local_flags() {
   while [ $# -gt 0 ]; do
     case "$1" in
       --run_dir=*) RUN_DIR="${1#*=}" ;;
       --workers=*) WORKERS="${1#*=}" ;;
       --trainer_procs=*) TRAINER_PROCS="${1#*=}" ;;
+      --worker_devices=*) WORKER_DEVICES="${1#*=}" ;;
       --port=*) PORT="${1#*=}" ;;
       --steps=*) STEPS="${1#*=}" ;;
       --init_checkpoint=*) INIT_CKPT="${1#*=}" ;;
@@ -57,6 +66,7 @@ parse_local_flags() {
       --max_new_tokens=*) MAX_NEW="${1#*=}" ;;
       --template=*) TEMPLATE="${1#*=}" ;;
       --skip_eval) SKIP_EVAL=1 ;;
+      --eval_builtin) EVAL_BUILTIN=1 ;;
       --) shift; EXTRA=("$@"); return ;;
       *) echo "launch.sh local: unknown flag $1 (train.py flags go after --)" >&2; exit 2 ;;
     esac
@@ -70,12 +80,74 @@ DEMO_SFT_FLAGS=(--sft_steps=500 --sft_batch=64 --sft_lr=3e-3)
 DEMO_RL_FLAGS=(--algo=grpo --steps=1600 --prompts_per_step=16 --group_size=8 --lr=3e-4 --dynamic_sampling
                 --checkpoint_every=10)
 DEMO_EVAL_FLAGS=(--eval_task=arithmetic --eval_difficulty=2 --eval_ops=+ --eval_n=500 --k=8 --temperature=1.0)
+# Defaults for a real model (--init_checkpoint and/or --train_jsonl): the demo's lr 3e-4 / 1600 steps / dynamic
+# sampling would wreck a pretrained LLM. lr 1e-6 is the usual GRPO learning rate for 0.5B-32B models (DAPO, Dr.GRPO
+# recipes use 1e-6); flags after "--" override any of these (absl takes the last value of a repeated flag).
+REAL_RL_FLAGS=(--algo=grpo --steps=200 --prompts_per_step=16 --group_size=8 --lr=1e-6 --checkpoint_every=10)
+REAL_EVAL_FLAGS=(--eval_n=200 --k=8 --temperature=1.0)
+REAL_MAX_NEW=1024  # completion budget of a real model (tokens) unless --max_new_tokens; the demo's is 8
 
-declare -A CMDS=() PIDS=() RESTARTS=()
+is_demo() { [ -z "$INIT_CKPT" ] && [ -z "$TRAIN_JSONL" ]; }
+die() { echo "launch.sh: $*" >&2; exit 2; }
+
+# Refuse what would silently produce a wrong run: missing files, a real run evaluated on the demo's arithmetic.
+check_local_inputs() {
+  local f
+  for f in "$TRAIN_JSONL" "$EVAL_JSONL"; do
+    [ -z "$f" ] || [ -s "$f" ] || die "$f: no such file or empty (from --train_jsonl/--eval_jsonl)"
+  done
+  [ -z "$INIT_CKPT" ] || [ -f "$INIT_CKPT/config.json" ] || die "--init_checkpoint=$INIT_CKPT: no config.json there"
+  if ! is_demo && [ -z "$EVAL_JSONL" ] && [ $SKIP_EVAL = 0 ] && [ $EVAL_BUILTIN = 0 ]; then
+    die "a run with --init_checkpoint/--train_jsonl needs an eval set: --eval_jsonl=F, or --skip_eval, or" \
+        "--eval_builtin (the demo's arithmetic problems)"
+  fi
+  return 0
+}
+
+# A run dir belongs to one run: its identity (model, tokenizer, data files and their hashes, template, budget,
+# train.py flags) is written to run.json on first launch; a later launch into the same dir must match it, so a
+# finished demo dir is never "resumed" with another model (which trained nothing and reported the old eval).
+# --steps is not part of it: extending a run is a resume.
+check_run_identity() {
+  local ident f="$RUN_DIR/run.json"
+  ident=$("$PY" - "$INIT_CKPT" "$TOKENIZER" "$TRAIN_JSONL" "$EVAL_JSONL" "$TEMPLATE" "$MAX_NEW" "${EXTRA[@]}" <<'PYEOF'
+import hashlib, json, os, sys
+ck, tok, tr, ev, tpl, mx, *extra = sys.argv[1:]
+def fid(p):
+  return {"path": os.path.abspath(p), "sha1": hashlib.sha1(open(p, "rb").read()).hexdigest()} if p else None
+print(json.dumps(dict(init_checkpoint=os.path.abspath(ck) if ck else "demo", tokenizer=os.path.abspath(tok),
+                      train_jsonl=fid(tr), eval_jsonl=fid(ev), template=tpl, max_new_tokens=int(mx),
+                      train_flags=extra), sort_keys=True))
+PYEOF
+)
+  if [ ! -f "$f" ]; then echo "$ident" >"$f"; return; fi
+  [ "$(cat "$f")" = "$ident" ] && return
+  echo "launch.sh: $RUN_DIR holds another run ($f differs); refusing to reuse it: use a new --run_dir, or the" \
+       "recorded settings to resume it" >&2
+  "$PY" - "$f" "$ident" >&2 <<'PYEOF'
+import json, sys
+old, new = json.load(open(sys.argv[1])), json.loads(sys.argv[2])
+for k in sorted(set(old) | set(new)):
+  if old.get(k) != new.get(k):
+    print(f"  {k}: recorded {old.get(k)!r}, now {new.get(k)!r}")
+PYEOF
+  exit 2
+}
+
+free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+# The last non-blank line a role wrote after byte OFFSET of its log (a Python error ends with its message).
+last_error_line() { tail -c +"$(( $2 + 1 ))" "$1" 2>/dev/null | grep -v '^[[:space:]]*$' | tail -n 1 || true; }
+
+declare -A CMDS=() PIDS=() RESTARTS=() LOGPOS=() SAME_ERR=() LAST_ERR=()
+# Roles run in their own session (setsid where it exists): a Ctrl-C in the terminal reaches only launch.sh, which
+# then stops them in order (trainer first, with its final checkpoint; server last) instead of all at once.
+SETSID=(); command -v setsid >/dev/null && SETSID=(setsid)
 start_role() {  # start_role NAME CMD...: background it, log and pidfile under the run dir
   local name="$1"; shift
   CMDS[$name]="$*"
-  "$@" >>"$RUN_DIR/logs/$name.log" 2>&1 &
+  LOGPOS[$name]=$(stat -c %s "$RUN_DIR/logs/$name.log" 2>/dev/null || echo 0)
+  "${SETSID[@]}" "$@" >>"$RUN_DIR/logs/$name.log" 2>&1 &
   PIDS[$name]=$!
   echo "${PIDS[$name]}" >"$RUN_DIR/pids/$name.pid"
 }
@@ -83,7 +155,7 @@ start_role() {  # start_role NAME CMD...: background it, log and pidfile under t
 stop_roles() {  # SIGTERM the given roles, wait up to 30 s for them to checkpoint / drain, then SIGKILL
   local name alive
   for name in "$@"; do kill -TERM "${PIDS[$name]}" 2>/dev/null || true; done
-  for _ in $(seq 1 30); do
+  for _ in $(seq 1 "${STOP_GRACE_S:-30}"); do
     alive=0
     for name in "$@"; do kill -0 "${PIDS[$name]}" 2>/dev/null && alive=1; done
     [ $alive = 0 ] && break
@@ -92,23 +164,50 @@ stop_roles() {  # SIGTERM the given roles, wait up to 30 s for them to checkpoin
   for name in "$@"; do kill -KILL "${PIDS[$name]}" 2>/dev/null || true; wait "${PIDS[$name]}" 2>/dev/null || true; done
 }
 
-stop_all() {  # clients first, so that draining workers and a checkpointing trainer still reach the server
-  local clients=()
-  local name
-  for name in "${!PIDS[@]}"; do [ "$name" != server ] && clients+=("$name"); done
-  [ ${#clients[@]} -gt 0 ] && stop_roles "${clients[@]}"
-  [ -n "${PIDS[server]:-}" ] && stop_roles server
+roles_like() { printf '%s\n' "${!PIDS[@]}" | grep -E "$1" || true; }
+
+# Trainer first (its final checkpoint needs the server to ack rollouts), then the workers (they drain into the
+# server), the servers last. STOP tells the supervisor not to restart what is being stopped.
+stop_all() {
+  touch "$RUN_DIR/STOP"
+  # the progress tail holds our stdout open: a caller reading it would wait forever (tail -F may miss --pid)
+  [ -n "${TAIL_PID:-}" ] && kill "$TAIL_PID" 2>/dev/null || true
+  local group
+  for group in '^trainer' '^worker' '^(server$|shard)'; do
+    local names=($(roles_like "$group"))
+    [ ${#names[@]} -gt 0 ] && stop_roles "${names[@]}"
+  done
   rm -f "$RUN_DIR"/pids/*.pid
 }
 
-supervise() {  # restart any child that died until the trainer writes DONE
+# A role that fails 3 times in a row with the same last log line (a bad file, a bad flag) fails deterministically:
+# restarting it cannot help, so the run stops with that line instead of crash-looping MAX_RESTARTS times.
+check_deterministic_failure() {  # NAME RC
+  local name="$1" line
+  line=$(last_error_line "$RUN_DIR/logs/$name.log" "${LOGPOS[$name]:-0}")
+  if [ "$2" != 0 ] && [ -n "$line" ] && [ "$line" = "${LAST_ERR[$name]:-}" ]; then
+    SAME_ERR[$name]=$(( ${SAME_ERR[$name]:-1} + 1 ))
+  else
+    SAME_ERR[$name]=1
+  fi
+  LAST_ERR[$name]="$line"
+  if [ "${SAME_ERR[$name]}" -ge "${SAME_ERROR_LIMIT:-3}" ]; then
+    echo "launch.sh: $name failed ${SAME_ERR[$name]} times with the same error, stopping the run:" >&2
+    echo "  $line" >&2
+    echo "  (full log: $RUN_DIR/logs/$name.log)" >&2
+    stop_all; exit 1
+  fi
+}
+
+supervise() {  # restart any child that died until the trainer writes DONE or someone asks to STOP
   local name
-  while [ ! -f "$RUN_DIR/DONE" ]; do
+  while [ ! -f "$RUN_DIR/DONE" ] && [ ! -f "$RUN_DIR/STOP" ]; do
     sleep 1
     for name in "${!PIDS[@]}"; do
       if ! kill -0 "${PIDS[$name]}" 2>/dev/null; then
         wait "${PIDS[$name]}" 2>/dev/null && rc=0 || rc=$?
-        [ -f "$RUN_DIR/DONE" ] && break 2
+        [ -f "$RUN_DIR/DONE" ] || [ -f "$RUN_DIR/STOP" ] && break 2
+        check_deterministic_failure "$name" "$rc"
         RESTARTS[$name]=$(( ${RESTARTS[$name]:-0} + 1 ))
         if [ "${RESTARTS[$name]}" -gt "${MAX_RESTARTS:-20}" ]; then
           echo "launch.sh: $name died $((RESTARTS[$name])) times, giving up; see $RUN_DIR/logs/$name.log" >&2
@@ -118,7 +217,7 @@ supervise() {  # restart any child that died until the trainer writes DONE
         sleep 2  # a crash loop (bad flag, bad data) should not spin; MAX_RESTARTS ends it
         local group=("$name")
         # The trainer's JAX processes run collectives together: when one dies, restart all of them.
-        [[ "$name" == trainer* ]] && group=($(printf '%s\n' "${!PIDS[@]}" | grep '^trainer'))
+        [[ "$name" == trainer* ]] && group=($(roles_like '^trainer'))
         local g
         for g in "${group[@]}"; do kill -KILL "${PIDS[$g]}" 2>/dev/null || true; done
         for g in "${group[@]}"; do
@@ -132,65 +231,94 @@ supervise() {  # restart any child that died until the trainer writes DONE
 
 run_local() {
   parse_local_flags "$@"
+  check_local_inputs
   setup_venv requirements.txt
   mkdir -p "$RUN_DIR/logs" "$RUN_DIR/pids"
-  export PYTHONUNBUFFERED=1 JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+  rm -f "$RUN_DIR/STOP"
+  echo $$ >"$RUN_DIR/launch.pid"  # `launch.sh stop` signals this supervisor, which stops the roles in order
+  # A restarted worker or trainer reads its compiled programs from here instead of recompiling (see README).
+  export PYTHONUNBUFFERED=1 JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" \
+    JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$RUN_DIR/jax_cache}" \
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
+  local rl_flags=("${DEMO_TASK_FLAGS[@]}" "${DEMO_RL_FLAGS[@]}") eval_flags=("${DEMO_EVAL_FLAGS[@]}")
+  if is_demo; then MAX_NEW="${MAX_NEW:-8}"
+  else
+    MAX_NEW="${MAX_NEW:-$REAL_MAX_NEW}"
+    rl_flags=("${REAL_RL_FLAGS[@]}")
+    eval_flags=("${REAL_EVAL_FLAGS[@]}")
+    [ -z "$TRAIN_JSONL" ] && rl_flags+=("${DEMO_TASK_FLAGS[@]}")
+    [ $EVAL_BUILTIN = 1 ] && eval_flags=("${DEMO_EVAL_FLAGS[@]}")
+  fi
   local t_start=$SECONDS
+  [ -z "$TOKENIZER" ] && [ -n "$INIT_CKPT" ] && TOKENIZER="$INIT_CKPT"  # a real checkpoint ships its tokenizer
   if [ -z "$TOKENIZER" ]; then
     TOKENIZER="$RUN_DIR/tokenizer-arithmetic.model"
     [ -f "$TOKENIZER" ] || echo "== building the task tokenizer: $TOKENIZER"
     "$PY" -c "import data, sys; data.build_task_tokenizer(sys.argv[1], 'arithmetic', seed=0)" "$RUN_DIR" >/dev/null
   fi
+  check_run_identity
   local base="${INIT_CKPT:-$RUN_DIR/base}"
   if [ ! -f "$base/config.json" ]; then
-    [ -n "$INIT_CKPT" ] && { echo "no config.json in --init_checkpoint=$INIT_CKPT" >&2; exit 2; }
     echo "== supervised warm-start of the base policy -> $base (log: $RUN_DIR/logs/sft.log)"
     "$PY" train.py --mode=sft --run_dir="$RUN_DIR" --tokenizer="$TOKENIZER" "${DEMO_TASK_FLAGS[@]}" "${DEMO_SFT_FLAGS[@]}" \
       >"$RUN_DIR/logs/sft.log" 2>&1 || { tail -20 "$RUN_DIR/logs/sft.log"; exit 1; }
   fi
-  local eval_flags=("${DEMO_EVAL_FLAGS[@]}" --max_new_tokens="$MAX_NEW" --template="$TEMPLATE")
+  eval_flags+=(--max_new_tokens="$MAX_NEW" --template="$TEMPLATE")
   [ -n "$EVAL_JSONL" ] && eval_flags+=(--eval_jsonl="$EVAL_JSONL")
   if [ $SKIP_EVAL = 0 ] && [ ! -f "$RUN_DIR/eval_before.json" ]; then
     echo "== pass@k of the base policy on held-out problems"
-    "$PY" rollout.py --mode=eval --checkpoint="$base" --tokenizer="$TOKENIZER" "${eval_flags[@]}" \
-      --out="$RUN_DIR/eval_before.json" 2>>"$RUN_DIR/logs/eval.log"
+    run_eval "$base" before
   fi
   [ -f "$RUN_DIR/token" ] || (umask 077; "$PY" -c "import secrets; print(secrets.token_hex(16))" >"$RUN_DIR/token")
 
   if [ ! -f "$RUN_DIR/DONE" ]; then
+    # Free ports by default (two runs side by side on one machine), written to the run dir for other tools.
+    PORT="${PORT:-$(free_port)}"
+    local coord_port; coord_port=$(free_port)
+    printf 'server=%s\ncoordinator=%s\n' "$PORT" "$coord_port" >"$RUN_DIR/ports"
     echo "== RL: server :$PORT, $TRAINER_PROCS trainer process(es), $WORKERS workers (logs: $RUN_DIR/logs)"
-    trap 'stop_all; exit 130' INT TERM
+    # Ctrl-C / `launch.sh stop` (SIGTERM): the supervise loop sees STOP, then stop_all stops the roles in order.
+    trap 'echo "== stopping: trainer first (final checkpoint), workers, server last"; touch "$RUN_DIR/STOP"' INT TERM
     start_role server "$PY" param_server.py --port="$PORT" --token_file="$RUN_DIR/token" --run_dir="$RUN_DIR/server"
+    # One shard server per trainer process (a pod has one per trainer host): the first is --server, which also
+    # holds the manifest; the others listen on free ports (recorded in $RUN_DIR/ports).
+    local shard_addrs="127.0.0.1:$PORT" i sport
+    for i in $(seq 1 $((TRAINER_PROCS - 1))); do
+      sport=$(free_port)
+      echo "shard$i=$sport" >>"$RUN_DIR/ports"
+      start_role "shard$i" "$PY" param_server.py --port="$sport" --token_file="$RUN_DIR/token"
+      shard_addrs+=",127.0.0.1:$sport"
+    done
     local train=("$PY" train.py --run_dir="$RUN_DIR" --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token"
-                 --init_checkpoint="$base" --tokenizer="$TOKENIZER" "${DEMO_TASK_FLAGS[@]}" "${DEMO_RL_FLAGS[@]}"
-                 --max_new_tokens="$MAX_NEW" --template="$TEMPLATE")
+                 --init_checkpoint="$base" --tokenizer="$TOKENIZER" "${rl_flags[@]}"
+                 --max_new_tokens="$MAX_NEW" --template="$TEMPLATE" --shard_servers="$shard_addrs")
     [ -n "$STEPS" ] && train+=(--steps="$STEPS")
     [ -n "$TRAIN_JSONL" ] && train+=(--train_jsonl="$TRAIN_JSONL")
-    local i
     for i in $(seq 0 $((TRAINER_PROCS - 1))); do
       local mp=()
       [ "$TRAINER_PROCS" -gt 1 ] && mp=(--num_processes="$TRAINER_PROCS" --process_id="$i"
-                                        --coordinator=127.0.0.1:$((PORT + 1)))
+                                        --coordinator=127.0.0.1:"$coord_port")
       start_role "trainer$i" "${train[@]}" "${mp[@]}" "${EXTRA[@]}"
     done
     for i in $(seq 0 $((WORKERS - 1))); do
-      start_role "worker$i" "$PY" rollout.py --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token" \
+      # --worker_devices=K: K fake CPU devices per worker, weights tensor-parallel over them (reshard on pull).
+      start_role "worker$i" env XLA_FLAGS="--xla_force_host_platform_device_count=$WORKER_DEVICES" \
+        "$PY" rollout.py --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token" --tensor_parallel="$WORKER_DEVICES" \
         --tokenizer="$TOKENIZER" --worker_id="worker$i" --seed="$i" $WORKER_ARGS
     done
     # The trainer's tqdm bar goes to its log; show it here while we supervise. $! must be tail itself (in a
     # plain pipeline it is grep's pid, and killing grep left tail -F running forever, holding our stdout open);
     # --pid ends it with this script even if we are SIGKILLed.
     tail -n 0 -F --pid=$$ "$RUN_DIR/logs/trainer0.log" 2>/dev/null > >(tr '\r' '\n' | grep --line-buffered -E "it/s|s/it") &
-    local tail_pid=$!
+    TAIL_PID=$!
     supervise
-    kill "$tail_pid" 2>/dev/null || true
     stop_all
     trap - INT TERM
+    [ -f "$RUN_DIR/DONE" ] || { echo "== stopped before the last step (checkpointed); rerun the same command to resume"; return; }
   fi
   [ $SKIP_EVAL = 1 ] && { echo "== done (eval skipped): $RUN_DIR/final"; return; }
   echo "== pass@k of the trained policy on the same held-out problems"
-  "$PY" rollout.py --mode=eval --checkpoint="$RUN_DIR/final" --tokenizer="$TOKENIZER" "${eval_flags[@]}" \
-    --out="$RUN_DIR/eval_after.json" 2>>"$RUN_DIR/logs/eval.log"
+  run_eval "$RUN_DIR/final" after
   "$PY" - "$RUN_DIR" $((SECONDS - t_start)) <<'EOF'
 import json, sys
 d, secs = sys.argv[1], int(sys.argv[2])
@@ -204,50 +332,311 @@ print(f"wall time of this launch: {secs // 60} min {secs % 60} s")
 EOF
 }
 
+# eval CHECKPOINT before|after: pass@k into eval_<when>.json; a failure names the log and shows its last lines.
+run_eval() {
+  "$PY" rollout.py --mode=eval --checkpoint="$1" --tokenizer="$TOKENIZER" "${eval_flags[@]}" \
+    --out="$RUN_DIR/eval_$2.json" 2>>"$RUN_DIR/logs/eval.log" && return
+  echo "launch.sh: evaluation of $1 failed ($RUN_DIR/logs/eval.log):" >&2
+  grep -v '^[[:space:]]*$' "$RUN_DIR/logs/eval.log" | tail -n 3 | sed 's/^/  /' >&2
+  exit 1
+}
+
+# Ask the run's supervisor to stop (it stops trainer, workers, server in that order, trainer checkpointing first)
+# and wait for it; with no live supervisor, stop the roles from their pidfiles in the same order.
 stop_local() {
   parse_local_flags "$@"
-  local f
-  for f in "$RUN_DIR"/pids/*.pid; do [ -f "$f" ] && kill -TERM "$(cat "$f")" 2>/dev/null || true; done
-  sleep "${STOP_GRACE_S:-15}"
-  for f in "$RUN_DIR"/pids/*.pid; do [ -f "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true; rm -f "$f"; done
+  touch "$RUN_DIR/STOP"
+  local pid f group
+  pid=$(cat "$RUN_DIR/launch.pid" 2>/dev/null || true)
+  if [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null; then
+    # (a supervisor that has exited but is not yet reaped by its parent is a zombie: done, too)
+    while kill -0 "$pid" 2>/dev/null && [ "$(ps -o stat= -p "$pid" 2>/dev/null | cut -c1)" != Z ]; do sleep 0.5; done
+  else
+    for group in trainer worker server; do
+      for f in "$RUN_DIR"/pids/"$group"*.pid; do [ -f "$f" ] && kill -TERM "$(cat "$f")" 2>/dev/null || true; done
+      for _ in $(seq 1 "${STOP_GRACE_S:-30}"); do
+        local alive=0
+        for f in "$RUN_DIR"/pids/"$group"*.pid; do [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && alive=1; done
+        [ $alive = 0 ] && break
+        sleep 1
+      done
+      for f in "$RUN_DIR"/pids/"$group"*.pid; do [ -f "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true; rm -f "$f"; done
+    done
+  fi
   echo "stopped $RUN_DIR"
 }
 
 # ---------------------------------------------------------------------------------------------------------------
 # TPU pods
 
+# Host counts follow the Cloud TPU docs' naming (cloud.google.com/tpu/docs/v5p, .../v5e, .../v6e):
+#   v5p-N       N counts TensorCores, 2 per chip, 4 chips per host: v5p-8 = 4 chips = 1 host, v5p-16 = 2 hosts,
+#               v5p-1024 = 512 chips = 128 hosts (the v5p table: 8x8x8, 1024 cores, 512 chips, 128 hosts).
+#   v5e-N/v6e-N N counts chips (one TensorCore each): up to 8 chips is one host, larger slices have 8 chips per host
+#               (v5e table: 4x4 = 16 chips = 2 hosts, 16x16 = 256 chips = 32 hosts; v6e: "Chips per host 8").
+pod_hosts() {  # pod_hosts SIZE: prints the number of hosts of that slice
+  local gen="${1%%-*}" n="${1#*-}"
+  [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -gt 0 ] || die "bad slice size $1 (want v5p-N, v5e-N or v6e-N)"
+  case "$gen" in
+    v5p) [ $((n % 8)) = 0 ] || die "$1: v5p-N counts TensorCores, a multiple of 8 (4-chip hosts)"; echo $((n / 8)) ;;
+    v5e|v6e) if [ "$n" -le 8 ]; then echo 1
+             else [ $((n % 8)) = 0 ] || die "$1: multi-host $gen slices are multiples of 8 chips"; echo $((n / 8)); fi ;;
+    *) die "$1: unknown TPU generation $gen (v5p, v5e, v6e)" ;;
+  esac
+}
+
+# Every gcloud call goes through here: with --dry_run it prints the exact argv (shell-quoted, copy-pasteable);
+# commands run on hosts are single --command= arguments built with printf %q, never eval'd here.
+POD_DRY=0
+shq() {  # words, single-quoted where the shell needs it
+  local a out=()
+  for a in "$@"; do
+    if [[ "$a" =~ ^[A-Za-z0-9_./:=@%+,-]+$ ]]; then out+=("$a"); else out+=("'${a//\'/\'\\\'\'}'"); fi
+  done
+  echo "${out[*]}"
+}
+pod_run() { if [ $POD_DRY = 1 ]; then shq "$@"; else "$@"; fi; }
+pod_bg() { if [ $POD_DRY = 1 ]; then "$@"; else "$@" & fi; }  # parallel over hosts; in order when printing
+quote_cmd() { printf '%q ' "$@"; }
+pod_ssh() { pod_run gcloud compute tpus tpu-vm ssh "$1" --zone="$POD_ZONE" --worker="$2" --command="$3"; }
+pod_scp() { pod_run gcloud compute tpus tpu-vm scp --recurse "$2" "$1:$3" --zone="$POD_ZONE" --worker=all; }
+
+# Per-host setup of one slice: a copy of this checkout (no .venv/runs/.git), its venv with the pinned jax[tpu]
+# (requirements-tpu.txt), the server token (scp'd into a 0700 dir: it never appears on a command line), and the
+# staged checkpoint / tokenizer when they are local paths (small models; pass a path on the hosts, e.g. a
+# gcsfuse mount, for big ones).
+pod_setup_slice() {
+  local name="$1"
+  echo "== setting up slice $name"
+  pod_scp "$name" "$POD_STATE/rl.tgz" rl.tgz
+  pod_ssh "$name" all "mkdir -p rl/.secrets && chmod 700 rl/.secrets && tar -xzf rl.tgz -C rl && bash rl/launch.sh host_setup"
+  pod_scp "$name" "$POD_STATE/token" rl/.secrets/token
+  pod_ssh "$name" all "chmod 600 rl/.secrets/token"
+  local k
+  for k in "${!POD_STAGE[@]}"; do pod_scp "$name" "${POD_STAGE[$k]}" "rl/staged/$k"; done
+}
+
+# The remote command that starts ROLE under its host supervisor (launch.sh host), detached from the ssh session.
+pod_role_cmd() {  # ROLE SCRIPT ARGS...
+  local role="$1"; shift
+  local run; run=$(quote_cmd "$POD_RUN"); run="${run% }"
+  echo "cd rl && mkdir -p $run/logs && rm -f $run/STOP $run/FAILED.$role && nohup bash launch.sh host $role $(quote_cmd "$POD_RUN" "$@")>>$run/logs/$role.supervisor.log 2>&1 </dev/null &"
+}
+
+# The main server (queues + manifest) on trainer host 0; a shard server on every other trainer host (port +1)
+# holds that host's weight shards, so no host sends more than its own shards (shards.py); one trainer process
+# per trainer host stages on its own host's server (--shard_servers=self:PORT).
+pod_start_trainer_side() {
+  local ip="$1" i
+  pod_ssh "$POD_TPU" 0 "$(pod_role_cmd server param_server.py --host=0.0.0.0 --port="$POD_PORT" \
+    --token_file=.secrets/token --run_dir="$POD_RUN/server")"
+  for ((i = 1; i < POD_HOSTS; i++)); do
+    pod_bg pod_ssh "$POD_TPU" "$i" "$(pod_role_cmd "shard$i" param_server.py --host=0.0.0.0 --port=$((POD_PORT + 1)) \
+      --token_file=.secrets/token)"
+  done
+  wait
+  for ((i = 0; i < POD_HOSTS; i++)); do
+    pod_bg pod_ssh "$POD_TPU" "$i" "$(pod_role_cmd "trainer$i" train.py --run_dir="$POD_RUN" --server="$ip:$POD_PORT" \
+      --shard_servers=self:$((POD_PORT + 1)) --token_file=.secrets/token --num_processes="$POD_HOSTS" \
+      --process_id="$i" --coordinator="$ip:$POD_COORD_PORT" "${POD_TRAIN_ARGS[@]}")"
+  done
+  wait
+}
+
+pod_start_workers() {  # one inference worker per host of the inference slice, each on its local chips
+  local ip="$1" i
+  for ((i = 0; i < POD_INFER_HOSTS; i++)); do
+    pod_bg pod_ssh "$POD_INFER" "$i" "$(pod_role_cmd "worker$i" rollout.py --server="$ip:$POD_PORT" \
+      --token_file=.secrets/token --worker_id="worker$i" "${POD_WORKER_ARGS[@]}")"
+  done
+  wait
+}
+
+# Trainer first (final checkpoint), workers next (drain), server last; STOP keeps the host supervisors from
+# restarting what is being stopped.
+pod_stop() {
+  echo "== stopping the pod run (trainer, workers, server)"
+  pod_ssh "$POD_TPU" all "cd rl && bash launch.sh host_stop $(quote_cmd "$POD_RUN") trainer" || true
+  pod_ssh "$POD_INFER" all "cd rl && bash launch.sh host_stop $(quote_cmd "$POD_RUN") worker" || true
+  pod_ssh "$POD_TPU" all "cd rl && bash launch.sh host_stop $(quote_cmd "$POD_RUN") shard" || true
+  pod_ssh "$POD_TPU" 0 "cd rl && bash launch.sh host_stop $(quote_cmd "$POD_RUN") server" || true
+}
+
+pod_server_ip() {  # internal IP of trainer host 0 (where the server and the jax.distributed coordinator run)
+  if [ $POD_DRY = 1 ]; then echo SERVER_IP; return; fi
+  gcloud compute tpus tpu-vm describe "$POD_TPU" --zone="$POD_ZONE" --format='value(networkEndpoints[0].ipAddress)'
+}
+
+# --spot: each slice is a queued resource of spot capacity; a preempted one is deleted, re-created, set up again.
+pod_qr_state() {  # prints ACTIVE while the slice runs; anything else (PREEMPTED, SUSPENDED, FAILED...) means gone
+  local qs ns
+  qs=$(gcloud compute tpus queued-resources describe "$1-qr" --zone="$POD_ZONE" --format='value(state.state)' 2>/dev/null || echo MISSING)
+  ns=$(gcloud compute tpus tpu-vm describe "$1" --zone="$POD_ZONE" --format='value(state)' 2>/dev/null || echo MISSING)
+  if [ "$qs" = ACTIVE ] && [ "$ns" = READY ]; then echo ACTIVE; else echo "${ns}/${qs}"; fi
+}
+
+pod_create_slice() {  # NAME SIZE: queued resource (spot), then wait until it is ACTIVE
+  pod_run gcloud compute tpus queued-resources create "$1-qr" --node-id="$1" --zone="$POD_ZONE" \
+    --accelerator-type="$2" --runtime-version="$POD_RUNTIME" --spot
+  [ $POD_DRY = 1 ] && return
+  until [ "$(pod_qr_state "$1")" = ACTIVE ]; do sleep "$POD_POLL_S"; done
+}
+
+pod_recreate_slice() {  # NAME SIZE
+  gcloud compute tpus queued-resources delete "$1-qr" --zone="$POD_ZONE" --force --quiet || true
+  pod_create_slice "$1" "$2"
+  pod_setup_slice "$1"
+}
+
+# Poll until the trainer writes DONE (then stop in order), a role fails deterministically on some host (stop and
+# show its error), or, with --spot, a slice is preempted (re-create it and restart the roles that lived there).
+pod_monitor() {
+  local st out ip
+  while true; do
+    sleep "$POD_POLL_S"
+    if [ $POD_SPOT = 1 ]; then
+      st=$(pod_qr_state "$POD_TPU")
+      if [ "$st" != ACTIVE ]; then
+        echo "== slice $POD_TPU is $st: re-creating it and restarting server + trainer (workers reconnect to the new address)"
+        pod_ssh "$POD_INFER" all "cd rl && bash launch.sh host_stop $(quote_cmd "$POD_RUN") worker" || true
+        pod_recreate_slice "$POD_TPU" "$POD_SIZE"
+        ip=$(pod_server_ip)
+        pod_start_trainer_side "$ip"; pod_start_workers "$ip"
+        continue
+      fi
+      st=$(pod_qr_state "$POD_INFER")
+      if [ "$st" != ACTIVE ]; then
+        echo "== slice $POD_INFER is $st: re-creating it and restarting its workers"
+        pod_recreate_slice "$POD_INFER" "$POD_INFER_SIZE"
+        pod_start_workers "$(pod_server_ip)"
+        continue
+      fi
+    fi
+    out=$( { pod_ssh "$POD_TPU" all "cd rl && bash launch.sh host_status $(quote_cmd "$POD_RUN")"
+             pod_ssh "$POD_INFER" all "cd rl && bash launch.sh host_status $(quote_cmd "$POD_RUN")"; } 2>/dev/null || true)
+    if grep -q '^FAILED' <<<"$out"; then
+      echo "launch.sh: a role failed deterministically on the pod:" >&2
+      grep -A3 '^FAILED' <<<"$out" | sed 's/^/  /' >&2
+      pod_stop; exit 1
+    fi
+    if grep -q '^DONE' <<<"$out"; then
+      echo "== training done ($(grep -m1 '^DONE' <<<"$out"))"
+      pod_stop; return
+    fi
+  done
+}
+
 run_pod() {
-  local size="$1"; shift
-  local gen="${size%%-*}" chips="${size#*-}" tpu="" infer="" zone="" dry=0 port=5555 extra=()
+  POD_SIZE="$1"; shift
+  local tpu="" infer="" infer_size="" zone="" port=5555 coord=8476 spot=0 ckpt="" tok="" run=runs/pod stop=0
+  local worker_args="" poll=30 runtime="" state=""
   while [ $# -gt 0 ]; do
     case "$1" in
-      --tpu=*) tpu="${1#*=}" ;; --infer_tpu=*) infer="${1#*=}" ;; --zone=*) zone="${1#*=}" ;;
-      --port=*) port="${1#*=}" ;; --dry_run) dry=1 ;; --) shift; extra=("$@"); break ;;
-      *) echo "launch.sh $size: unknown flag $1" >&2; exit 2 ;;
+      --tpu=*) tpu="${1#*=}" ;; --infer_tpu=*) infer="${1#*=}" ;; --infer_size=*) infer_size="${1#*=}" ;;
+      --zone=*) zone="${1#*=}" ;; --port=*) port="${1#*=}" ;; --coord_port=*) coord="${1#*=}" ;;
+      --spot) spot=1 ;; --runtime=*) runtime="${1#*=}" ;; --poll_s=*) poll="${1#*=}" ;;
+      --init_checkpoint=*) ckpt="${1#*=}" ;; --tokenizer=*) tok="${1#*=}" ;; --run_dir=*) run="${1#*=}" ;;
+      --worker_args=*) worker_args="${1#*=}" ;; --stop) stop=1 ;; --state_dir=*) state="${1#*=}" ;;
+      --dry_run) POD_DRY=1 ;; --) shift; break ;;
+      *) die "$POD_SIZE: unknown flag $1 (train.py flags go after --)" ;;
     esac
     shift
   done
-  [ -n "$tpu" ] && [ -n "$zone" ] || { echo "launch.sh $size needs --tpu=NAME --zone=ZONE" >&2; exit 2; }
-  [[ "$chips" =~ ^[0-9]+$ ]] || { echo "bad slice size $size" >&2; exit 2; }
-  infer="${infer:-$tpu-infer}"
-  # Chips per host: v5p hosts carry 4 chips; v6e-8 and smaller are one host, larger v6e slices 4 chips per host.
-  local per_host=4
-  [ "$gen" = v6e ] && [ "$chips" -le 8 ] && per_host="$chips"
-  local hosts=$(( (chips + per_host - 1) / per_host ))
-  local dir="\$HOME/rl" run="\$HOME/rl/runs/pod"
-  local ssh="gcloud compute tpus tpu-vm ssh"
-  local server_ip="\$($ssh $tpu --zone=$zone --worker=0 --command='hostname -I' | cut -d' ' -f1)"
-  local cmds=(
-    "$ssh $tpu --zone=$zone --worker=0 --command='cd $dir && mkdir -p $run && (umask 077; [ -f $run/token ] || python3 -c \"import secrets;print(secrets.token_hex(16))\" > $run/token) && nohup python3 param_server.py --host=0.0.0.0 --port=$port --token_file=$run/token --run_dir=$run/server > $run/server.log 2>&1 &'"
-    "$ssh $tpu --zone=$zone --worker=all --command='cd $dir && nohup python3 train.py --run_dir=$run --server=$server_ip:$port --token_file=$run/token --num_processes=0 --init_checkpoint=\$HOME/ckpt --tokenizer=\$HOME/ckpt ${extra[*]} > $run/trainer.log 2>&1 &'"
-    "$ssh $infer --zone=$zone --worker=all --command='cd $dir && nohup python3 rollout.py --server=$server_ip:$port --token_file=$run/token --tokenizer=\$HOME/ckpt > $run/worker.log 2>&1 &'"
-  )
-  echo "# $size: $hosts trainer hosts on $tpu ($per_host chips each), $hosts inference hosts on $infer;"
-  echo "# copy the repo to $dir, the token file to both slices, and the checkpoint to \$HOME/ckpt on every host first."
-  local c
-  for c in "${cmds[@]}"; do
-    if [ $dry = 1 ]; then echo "$c"; else eval "$c"; fi
+  [ -n "$tpu" ] && [ -n "$zone" ] || die "$POD_SIZE needs --tpu=NAME --zone=ZONE"
+  POD_TPU="$tpu" POD_ZONE="$zone" POD_INFER="${infer:-$tpu-infer}" POD_INFER_SIZE="${infer_size:-$POD_SIZE}"
+  POD_PORT="$port" POD_COORD_PORT="$coord" POD_SPOT="$spot" POD_RUN="$run" POD_POLL_S="$poll"
+  POD_RUNTIME="${runtime:-v2-alpha-tpu${POD_SIZE%%-*}-base}"
+  POD_HOSTS=$(pod_hosts "$POD_SIZE"); POD_INFER_HOSTS=$(pod_hosts "$POD_INFER_SIZE")
+  POD_STATE="${state:-$ROOT/runs/pod-$tpu}"  # this machine: the token and the project tarball
+  read -r -a POD_WORKER_ARGS <<<"$worker_args"
+  [ $stop = 1 ] && { pod_stop; return; }
+  # Checkpoint and tokenizer: a local path is staged to every host; anything else is a path on the hosts.
+  declare -gA POD_STAGE=()
+  POD_TRAIN_ARGS=()
+  tok="${tok:-$ckpt}"
+  if [ -n "$ckpt" ]; then
+    [ -e "$ckpt" ] && { POD_STAGE[ckpt]="$ckpt"; ckpt=staged/ckpt; }
+    POD_TRAIN_ARGS+=(--init_checkpoint="$ckpt")
+  fi
+  if [ -n "$tok" ]; then
+    if [ "$tok" = "${POD_STAGE[ckpt]:-}" ]; then tok=staged/ckpt
+    elif [ -e "$tok" ]; then POD_STAGE[tok]="$tok"; tok=staged/tok; fi
+    POD_TRAIN_ARGS+=(--tokenizer="$tok"); POD_WORKER_ARGS+=(--tokenizer="$tok")
+  fi
+  POD_TRAIN_ARGS+=("$@")
+  echo "# $POD_SIZE: $POD_HOSTS trainer hosts on $POD_TPU, $POD_INFER_HOSTS inference hosts on $POD_INFER" \
+       "($POD_INFER_SIZE); run dir $POD_RUN on the hosts (shared storage lets a re-created slice resume)"
+  [ $POD_DRY = 1 ] || mkdir -p "$POD_STATE"
+  if [ $POD_DRY = 0 ]; then
+    [ -f "$POD_STATE/token" ] || (umask 077; python3 -c "import secrets; print(secrets.token_hex(16))" >"$POD_STATE/token")
+    tar -czf "$POD_STATE/rl.tgz" --exclude=./.venv --exclude=./runs --exclude=./.git --exclude=__pycache__ -C "$ROOT" .
+  fi
+  if [ $spot = 1 ]; then pod_create_slice "$POD_TPU" "$POD_SIZE"; pod_create_slice "$POD_INFER" "$POD_INFER_SIZE"; fi
+  pod_setup_slice "$POD_TPU"; pod_setup_slice "$POD_INFER"
+  local ip; ip=$(pod_server_ip)
+  [ $POD_DRY = 1 ] && echo "# SERVER_IP = \$($(shq gcloud compute tpus tpu-vm describe "$POD_TPU" --zone="$POD_ZONE" --format='value(networkEndpoints[0].ipAddress)'))"
+  pod_start_trainer_side "$ip"
+  pod_start_workers "$ip"
+  [ $POD_DRY = 1 ] && return
+  trap 'pod_stop; exit 130' INT TERM
+  pod_monitor
+}
+
+# ---------------------------------------------------------------------------------------------------------------
+# On a pod host (the pod launcher runs these over ssh; by hand for debugging)
+
+host_setup() {  # venv + pinned jax[tpu] + requirements, once (stamped); RL_SKIP_INSTALL=1 reuses $VENV as is
+  if [ -n "${RL_SKIP_INSTALL:-}" ]; then echo "host_setup: RL_SKIP_INSTALL set, using $VENV as is"; return; fi
+  setup_venv requirements-tpu.txt
+}
+
+# host ROLE RUN SCRIPT ARGS...: run one role, restart it when it dies, until it exits 0 (done / stopped), STOP
+# exists, or it fails 3 times in a row with the same last log line (FAILED.<role> then holds that line: the
+# launcher's monitor shows it). The persistent compilation cache makes a restart skip recompilation.
+run_host() {
+  local role="$1" run="$2" script="$3"; shift 3
+  mkdir -p "$run/logs" "$run/pids"
+  PY="$VENV/bin/python"
+  export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$ROOT/.jax_cache}" \
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
+  local log="$run/logs/$role.log" rc pos line last="" same=0 pid
+  while [ ! -f "$run/STOP" ]; do
+    pos=$(stat -c %s "$log" 2>/dev/null || echo 0)
+    "$PY" "$script" "$@" >>"$log" 2>&1 &
+    pid=$!; echo "$pid" >"$run/pids/$role.pid"
+    wait "$pid" && rc=0 || rc=$?
+    [ $rc = 0 ] || [ -f "$run/STOP" ] && break
+    line=$(last_error_line "$log" "$pos")
+    if [ -n "$line" ] && [ "$line" = "$last" ]; then same=$((same + 1)); else same=1; fi
+    last="$line"
+    if [ $same -ge "${SAME_ERROR_LIMIT:-3}" ]; then
+      printf '%s failed %d times with: %s\n(log: %s)\n' "$role" "$same" "$line" "$log" >"$run/FAILED.$role"
+      exit 1
+    fi
+    echo "$(date -u +%FT%TZ) $role exited rc=$rc; restarting" >>"$run/logs/supervisor.log"
+    sleep 2
   done
+  rm -f "$run/pids/$role.pid"
+}
+
+host_stop() {  # host_stop RUN PREFIX: STOP, SIGTERM the roles PREFIX*, wait for them (checkpoint / drain), SIGKILL
+  local run="$1" f alive
+  mkdir -p "$run"; touch "$run/STOP"
+  for f in "$run"/pids/"$2"*.pid; do [ -f "$f" ] && kill -TERM "$(cat "$f")" 2>/dev/null || true; done
+  for _ in $(seq 1 "${STOP_GRACE_S:-60}"); do
+    alive=0
+    for f in "$run"/pids/"$2"*.pid; do [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && return
+    sleep 1
+  done
+  for f in "$run"/pids/"$2"*.pid; do [ -f "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true; done
+}
+
+host_status() {  # DONE <step> when the trainer finished; FAILED lines for roles that failed deterministically
+  local f
+  [ -f "$1/DONE" ] && echo "DONE step $(cat "$1/DONE")"
+  for f in "$1"/FAILED.*; do [ -f "$f" ] && { echo "FAILED $(hostname):"; cat "$f"; }; done
+  return 0
 }
 
 cmd="${1:-local}"; shift || true
@@ -258,6 +647,10 @@ case "$cmd" in
     setup_venv requirements-dev.txt
     XLA_FLAGS="--xla_force_host_platform_device_count=8" JAX_PLATFORMS=cpu exec "$PY" -m pytest -q tests "$@"
     ;;
-  v5p-*|v6e-*) run_pod "$cmd" "$@" ;;
-  *) echo "usage: bash launch.sh {local|stop|test|v5p-N|v6e-N} [flags]" >&2; exit 2 ;;
-esac
+  v5p-*|v5e-*|v6e-*) run_pod "$cmd" "$@" ;;
+  host_setup) host_setup ;;
+  host) run_host "$@" ;;
+  host_stop) host_stop "$@" ;;
+  host_status) host_status "$@" ;;
+  *) echo "usage: bash launch.sh {local|stop|test|v5p-N|v5e-N|v6e-N} [flags]" >&2; exit 2 ;;
+esac; exit $?  # on the same line as esac: bash never reads past it, so editing launch.sh mid-run is safe

@@ -655,7 +655,10 @@ def load_hf_checkpoint(path, dtype=None, *, mesh=None):
       full = os.path.join(path, fn)
       if not os.path.isfile(full):
         raise ValueError(f"{index_fn}: lists missing file {fn!r}")
-      handles[fn] = safe_open(full, framework="numpy")
+      try:
+        handles[fn] = safe_open(full, framework="numpy")
+      except Exception as e:  # SafetensorError on a truncated or corrupt header
+        raise ValueError(f"{full}: not a readable safetensors file ({type(e).__name__}: {e})") from None
       for name in handles[fn].keys():
         where[name] = fn
     if dtype is None:
@@ -672,7 +675,14 @@ def load_hf_checkpoint(path, dtype=None, *, mesh=None):
     for key, layer, hf_name, n_in, shape in _hf_names(cfg):
       if hf_name not in where:
         raise ValueError(f"{path}: missing tensor {hf_name!r} (config {cfg.arch}, tie={cfg.tie_embeddings})")
-      w = handles[where[hf_name]].get_tensor(hf_name)
+      try:
+        w = handles[where[hf_name]].get_tensor(hf_name)
+      except Exception as e:  # data section shorter than the header says (a truncated copy)
+        raise ValueError(f"{os.path.join(path, where[hf_name])}: cannot read tensor {hf_name!r} "
+                         f"({type(e).__name__}: {e}); truncated file?") from None
+      if not np.isfinite(w).all():  # a NaN/inf weight would silently poison every step and rollout
+        raise ValueError(f"{where[hf_name]}: tensor {hf_name!r} has non-finite values "
+                         f"({int((~np.isfinite(w)).sum())} of {w.size})")
       want = _hf_shape(n_in, shape)
       if w.shape != want:
         raise ValueError(f"{where[hf_name]}: tensor {hf_name!r} has shape {w.shape}, config implies {want}")
@@ -734,3 +744,45 @@ def save_hf_checkpoint(path, cfg, params, dtype=None, *, max_shard_bytes=4 << 30
   index = {"metadata": {"total_size": sum(w.nbytes for _, w in tensors)}, "weight_map": weight_map}
   with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
     json.dump(index, f, indent=2)
+
+
+def save_hf_checkpoint_streamed(path, cfg, get_leaf, dtype, write=True):
+  """Writes config.json + one model.safetensors holding at most one of our (layer-stacked) tensors in host
+  memory at a time: get_leaf(("layers", "wq")) returns that tensor as numpy (e.g. gathered from a sharded
+  trainer). The safetensors header is known from the shapes alone, so it is written first and the bytes
+  stream after it. write=False only calls get_leaf (the other processes of a collective gather)."""
+  dtype = _np_dtype(dtype)
+  names = list(_hf_names(cfg))
+  order = list(dict.fromkeys(key for key, *_ in names))  # each of our tensors once, its HF tensors together
+  header, off = {}, 0
+  for key in order:
+    for k, layer, hf_name, n_in, shape in names:
+      if k == key:
+        hf_shape = _hf_shape(n_in, shape)
+        n = math.prod(hf_shape) * dtype.itemsize
+        header[hf_name] = {"dtype": {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype.name],
+                           "shape": list(hf_shape), "data_offsets": [off, off + n]}
+        off += n
+  f = None
+  if write:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as cf:
+      json.dump(cfg.to_hf_dict(dtype=dtype), cf, indent=2)
+    hb = json.dumps(dict(header, __metadata__={"format": "pt"}), separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    f = open(os.path.join(path, "model.safetensors"), "wb")
+    f.write(len(hb).to_bytes(8, "little") + hb)
+  try:
+    for key in order:
+      w = get_leaf(key)
+      if f is None:
+        continue
+      for k, layer, hf_name, n_in, shape in names:
+        if k == key:
+          t = _to_hf((w if layer is None else w[layer]).astype(dtype), n_in)
+          assert list(t.shape) == header[hf_name]["shape"], (hf_name, t.shape)
+          f.write(t.tobytes())
+      del w
+  finally:
+    if f is not None:
+      f.close()

@@ -19,8 +19,15 @@ Wire format (every request and every reply is one frame):
 
 Design choices:
   - Thread per connection (bounded by max_clients); every read has a deadline: idle_timeout_s for the first
-    byte of a request, then header_timeout_s for prefix+header, then payload_len / min_rate_mb_s more for the
-    payload. A slowloris client that trickles bytes therefore times out even though each recv makes progress.
+    byte of a request, then header_timeout_s for prefix+header (whatever they announce), then
+    payload_len / min_rate_mb_s more for an authenticated payload. A slowloris client that trickles bytes
+    therefore times out even though each recv makes progress. When every slot is taken a newcomer evicts an
+    anonymous connection (idle first, oldest first), else an idle authenticated one; only a server whose every
+    slot does authenticated work answers "busy". Clients with a token send AUTH first on each connection.
+  - Checks every message type gets (in the frame reader and _dispatch, so types added later get them too):
+    header <= untrusted_header_kb before the connection authenticated, <= max_header_kb after; JSON without
+    NaN/Infinity/overflowing floats, huge ints or nesting deeper than MAX_JSON_DEPTH; the token before any
+    payload byte is read (a request with a payload always needs it; unauthenticated: error + close, no drain).
   - Protocol errors (wrong magic/version/type, oversized lengths, bad JSON, truncated frame, timeout) get an
     ERROR frame and a closed connection; request errors (bad token, bad arguments, stale version) get an
     ERROR frame and the connection stays usable (the payload is drained, never stored).
@@ -34,14 +41,29 @@ Design choices:
     Bounded by max_queue_items and max_queue_mb (ready + leased). Back-pressure: put waits up to wait_s for
     room, accepts what fits in order, and the client raises QueueFullError for the rest; retrying the whole
     batch is safe because accepted ids are dropped as duplicates.
-  - Persistence (--run_dir): each queue is an append-only log queue-<name>.log of PUT / ACK records (each with
-    a crc32; a torn tail after a crash is cut off), fsync'ed before the reply, compacted at startup and when
-    the log grows past 2x its live size (temp file + fsync + rename). Leases are not persisted: after a
-    restart every unacked item is ready again. The newest weight version is written by a background thread
+  - Persistence (--run_dir): each queue is an append-only log queue-<name>.log of PUT / ACK / FAIL records
+    (each with a crc32; a torn tail after a crash is cut off). A change is fsync'ed to the log before it is
+    applied in memory or answered; a failed write (ENOSPC, EIO) is cut off again and answered StorageError
+    (see _Queue). Compacted at startup and when the log grows past 2x its live size (temp file + fsync +
+    rename), ready and leased items alike. Leases are not persisted: after a restart every unacked item is
+    ready again.
+  - Failed items: FAIL counts failures per leased item; after max_failures the item is quarantined (removed,
+    recorded in the log) and a notice is put in "<queue>.failed" for the producer. The newest weight version is written by a background thread
     to weights.bin (temp + fsync + rename; same frame format as a pull reply) so a push is not slowed by disk;
     a crash can lose a version that was still being written, which the trainer re-publishes (SPEC).
-  - Auth: push, put, get (it leases), ack and requeue need the shared token (hmac.compare_digest);
+  - Auth: push, put, get (it leases), ack, requeue, fail and auth need the shared token (hmac.compare_digest);
     pull, latest and stats do not. The server binds 127.0.0.1 unless told otherwise.
+
+Sharded mode (a pod: S shard servers, one per trainer host; the JAX side is shards.py):
+  STAGE    one piece of a tensor (a trainer shard, tagged with its global slice [[start, stop], ...], version and
+           a publish nonce); invisible to readers. Staged versions are bounded: max_versions committed + 2.
+  STAGED   the pieces staged for (version, nonce); with keep=[committed versions] also drops older unkept ones.
+  COMMIT   the manifest (JSON payload: every tensor's shape, dtype, pieces with crc and server) made visible,
+           written LAST by the coordinator once every server holds every piece; max_versions are kept.
+  MANIFEST the newest manifest newer than v (waits like pull).
+  FETCH    sub-slices of staged pieces (the server cuts them; only the needed bytes travel), crc-checked; a piece
+           whose stored crc differs from the requested one (replaced or collected) is refused.
+  Staged pieces and manifests live in memory only: after a restart the trainer re-publishes (SPEC).
 
 Public API:
   ServerConfig(host="127.0.0.1", port=0, token=None, run_dir=None, max_versions=2, ...)   frozen dataclass
@@ -50,11 +72,14 @@ Public API:
     .push(version: int, tensors: dict[str, np.ndarray]) -> None
     .pull(newer_than: int = -1, wait_s: float = 0.0, version: int | None = None)
         -> (version, dict[str, np.ndarray]) | None
-    .latest_version() -> int                       (-1 when none)
+    .latest_version() -> int                       (-1 when none; pushed or committed-manifest versions)
+    .stage(version, nonce, name, index, array), .staged(version, nonce, keep) -> dict, .commit(manifest) -> kept,
+    .manifest(newer_than=-1, wait_s=0.0) -> dict | None, .fetch(version, pieces) -> [np.ndarray]   (sharded mode)
     .put(queue, items: list[dict], wait_s=0.0) -> {"accepted": int, "duplicates": [ids]}
     .get(queue, max_items, wait_s=0.0, lease_s=300.0) -> list[dict]
     .ack(queue, ids) -> {"acked": int, "unknown": [ids]}
     .requeue(queue) -> int                         (number of leases released)
+    .fail(queue, ids, reason) -> {"failed": [ids], "quarantined": [ids]}
     .stats() -> dict
     .close()
   Items are dicts with a str "id" plus JSON-able fields and np.ndarray / list-of-np.ndarray fields.
@@ -65,18 +90,21 @@ Public API:
   records consumed ids in its checkpoint, which makes it exactly-once end to end).
   read_token(path) -> str.
   Errors: PermissionError (token), ValueError (bad request), ProtocolError, ChecksumError, QueueFullError,
-  ConnectionError (retry budget spent).
+  StorageError (the server's disk refused: nothing changed), ConnectionError (retry budget spent).
 
 Run:
   python param_server.py --port=5555 --token_file=runs/token --run_dir=runs/ps
   python -m pytest -q tests/test_param_server.py
   python bench_param_server.py --size_mb=1024
+  python bench_faults.py          # kill -9 / ENOSPC / EIO at every queue crash point; hostile load beside clients
 """
 import collections
 import dataclasses
 import hmac
+import itertools
 import json
 import logging
+import math
 import mmap
 import os
 import queue as queue_lib
@@ -84,6 +112,7 @@ import random
 import re
 import secrets
 import select
+import selectors
 import signal
 import socket
 import struct
@@ -97,10 +126,15 @@ MAGIC = b"RLPS"
 PROTOCOL_VERSION = 1
 PREFIX = struct.Struct("<4sHHIQ")  # magic, protocol version, message type, header len, payload len
 PUSH, PULL, LATEST, PUT, GET, ACK, REQUEUE, STATS = range(1, 9)
+STAGE, STAGED, COMMIT, MANIFEST, FETCH = range(9, 14)  # sharded weights (see "Sharded mode" above)
+AUTH, FAIL = 32, 33
 OK, ERROR = 64, 65
 REQUEST_TYPES = {PUSH: "push", PULL: "pull", LATEST: "latest", PUT: "put", GET: "get", ACK: "ack",
-                 REQUEUE: "requeue", STATS: "stats"}
-NEEDS_TOKEN = {PUSH, PUT, GET, ACK, REQUEUE}
+                 REQUEUE: "requeue", STATS: "stats", STAGE: "stage", STAGED: "staged", COMMIT: "commit",
+                 MANIFEST: "manifest", FETCH: "fetch", AUTH: "auth", FAIL: "fail"}
+NEEDS_TOKEN = {PUSH, PUT, GET, ACK, REQUEUE, STAGE, COMMIT, AUTH, FAIL}
+MAX_JSON_DEPTH = 32   # headers are flat records; deep nesting only costs the parser (and recursion) memory
+MAX_NDIM = 32
 CHUNK = 8 << 20  # socket I/O granularity: big enough to amortize syscalls, small enough for rate deadlines
 DTYPES = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
           "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8}
@@ -128,8 +162,34 @@ class _Refused(Exception):
     self.code = code
 
 
+class StorageError(RuntimeError):
+  """The server could not make a put/ack/fail durable (disk full, I/O error): nothing was stored or changed.
+  Not the request's fault; retrying later is safe."""
+
+
 class _Truncated(ConnectionError):
   pass
+
+
+class _AuthClose(Exception):
+  """An unauthenticated request that carries a payload: refused and the connection closed, payload unread."""
+
+
+class _Conn:
+  """A server-side connection's slot state, read by the accept loop to pick whom to evict when full."""
+  __slots__ = ("sock", "trusted", "state", "since")
+
+  def __init__(self, sock):
+    self.sock, self.trusted, self.state, self.since = sock, False, "idle", time.monotonic()
+
+  def set(self, state):
+    self.state, self.since = state, time.monotonic()
+
+  def kick(self):
+    try:
+      self.sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass
 
 
 class _Idle(TimeoutError):
@@ -172,7 +232,7 @@ def _recv_into(sock, mv, deadline, what, on_progress=None):
 
 def _send_frame(sock, mtype, header, parts=(), deadline=None):
   """Send one frame; parts are bytes-like payload pieces sent without copying (8 MiB slices)."""
-  hb = json.dumps(header, separators=(",", ":")).encode()
+  hb = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()  # the peer refuses NaN anyway
   mvs = [memoryview(p).cast("B") for p in parts]
   total = sum(len(m) for m in mvs)
   head = PREFIX.pack(MAGIC, PROTOCOL_VERSION, mtype, len(hb), total) + hb
@@ -190,8 +250,48 @@ def _send_frame(sock, mtype, header, parts=(), deadline=None):
       sock.sendall(m[i:i + CHUNK])
 
 
-def _read_prefix_header(sock, first_deadline, header_timeout_s, max_header):
-  """Reads prefix + JSON header. Returns (mtype, header dict, payload_len) or None on a clean EOF."""
+def _finite(text):
+  x = float(text)
+  if x != x or x in (float("inf"), float("-inf")):
+    raise ValueError(f"non-finite number {text!r}")
+  return x
+
+
+def _no_constant(name):
+  raise ValueError(f"non-finite number {name} is not allowed")
+
+
+def _json_depth_ok(obj, limit):
+  stack = [(obj, 1)]
+  while stack:
+    o, d = stack.pop()
+    if isinstance(o, (dict, list)):
+      if d > limit:
+        return False
+      stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+  return True
+
+
+def parse_header(hb):
+  """A frame header's bytes -> dict. Refuses (ProtocolError) what every message type must refuse: bad UTF-8 or
+  JSON, NaN / Infinity / overflowing floats (NaN defeats deadline arithmetic), ints of > 4300 digits, nesting
+  deeper than MAX_JSON_DEPTH, and anything but an object."""
+  try:
+    header = json.loads(hb, parse_constant=_no_constant, parse_float=_finite)
+  except (UnicodeDecodeError, ValueError, RecursionError) as e:
+    raise ProtocolError(f"frame header is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+  if not isinstance(header, dict):
+    raise ProtocolError(f"frame header must be a JSON object, got {type(header).__name__}")
+  if not _json_depth_ok(header, MAX_JSON_DEPTH):
+    raise ProtocolError(f"frame header nests deeper than {MAX_JSON_DEPTH} levels")
+  return header
+
+
+def _read_prefix_header(sock, first_deadline, header_timeout_s, max_header, on_start=None):
+  """Reads prefix + JSON header. Returns (mtype, header dict, payload_len) or None on a clean EOF.
+
+  max_header: an int, or a function of the message type (the server allows less before a client authenticated).
+  on_start(): called once the first byte arrived (the connection is then busy, not idle)."""
   pre = bytearray(PREFIX.size)
   mv = memoryview(pre)
   # The first byte may take long (an idle connection between requests); the rest must follow promptly.
@@ -202,6 +302,9 @@ def _read_prefix_header(sock, first_deadline, header_timeout_s, max_header):
     raise _Idle("no frame started before the deadline") from None
   if k == 0:
     return None
+  if on_start is not None:
+    on_start()
+  # One deadline for prefix + header, whatever lengths the prefix announces (a trickling client cannot stretch it).
   deadline = time.monotonic() + header_timeout_s
   _recv_into(sock, mv[k:], deadline, "frame prefix")
   magic, ver, mtype, hlen, plen = PREFIX.unpack(pre)
@@ -209,17 +312,12 @@ def _read_prefix_header(sock, first_deadline, header_timeout_s, max_header):
     raise ProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})")
   if ver != PROTOCOL_VERSION:
     raise ProtocolError(f"unsupported protocol version {ver} (this side speaks {PROTOCOL_VERSION})")
-  if hlen > max_header:
-    raise ProtocolError(f"header length {hlen} exceeds the limit of {max_header} bytes")
+  cap = max_header(mtype) if callable(max_header) else max_header
+  if hlen > cap:
+    raise ProtocolError(f"header length {hlen} exceeds the limit of {cap} bytes")
   hb = bytearray(hlen)
   _recv_into(sock, memoryview(hb), deadline, "frame header")
-  try:
-    header = json.loads(hb)
-  except (UnicodeDecodeError, ValueError) as e:
-    raise ProtocolError(f"frame header is not valid JSON: {e}") from None
-  if not isinstance(header, dict):
-    raise ProtocolError(f"frame header must be a JSON object, got {type(header).__name__}")
-  return mtype, header, plen
+  return mtype, parse_header(hb), plen
 
 
 class _Crc:
@@ -306,9 +404,11 @@ def _check_specs(specs, payload_len, what):
     name, dtype, shape, nbytes = s.get("name", ""), s.get("dtype"), s.get("shape"), s.get("nbytes")
     if dtype not in DTYPES:
       raise ValueError(f"{what}: tensor {name!r} has unsupported dtype {dtype!r} (allowed: {sorted(DTYPES)})")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-      raise ValueError(f"{what}: tensor {name!r} has bad shape {shape!r}")
-    if nbytes != int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype]:
+    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+      raise ValueError(f"{what}: tensor {name!r} has bad shape {shape!r:.200} (want <= {MAX_NDIM} ints >= 0)")
+    # math.prod is exact: np.prod in int64 wraps, and [2**32, 2**32] would pass as 0 bytes.
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes != math.prod(shape) * DTYPES[dtype]:
       raise ValueError(f"{what}: tensor {name!r} nbytes={nbytes!r} does not match {dtype}{shape}")
     sizes.append(nbytes)
   if sum(sizes) != payload_len:
@@ -367,15 +467,18 @@ class ServerConfig:
   max_queues: int = 16
   max_payload_mb: float = 16384.0    # cap on one push (all tensors of one version)
   max_put_mb: float = 256.0          # cap on one put request / one get reply
-  max_header_kb: float = 16384.0     # cap on a frame's JSON header
+  max_header_kb: float = 1024.0      # cap on a frame's JSON header once the connection authenticated
+  untrusted_header_kb: float = 64.0  # cap before that (bounds what unauthenticated clients make us hold)
   max_tensors: int = 100_000         # cap on tensors per version
-  max_clients: int = 64              # concurrent connections; more get a "busy" error
+  max_clients: int = 1024            # concurrent connections; when full, the least useful one is evicted
   idle_timeout_s: float = 300.0      # a connection with no request for this long is closed
   header_timeout_s: float = 10.0     # prefix + header must arrive within this after the first byte
   min_rate_mb_s: float = 1.0         # payloads get header_timeout_s + size / this rate to arrive or drain
   max_wait_s: float = 60.0           # cap on a pull/get/put server-side wait
   max_lease_s: float = 86400.0
   fsync: bool = True                 # fsync queue logs before replying (durability of put/ack)
+  compact_min_mb: float = 64.0       # a queue log is compacted once past max(this, 2x its live size)
+  max_failures: int = 3              # FAIL reports after which a queue item is quarantined
 
 
 class _Version:
@@ -388,22 +491,61 @@ class _Version:
     self.head = PREFIX.pack(MAGIC, PROTOCOL_VERSION, OK, len(hb), len(buf)) + hb
 
 
+class _Disk:
+  """Every file operation of the queue logs in one place, so that tests can substitute a subclass that fails
+  (ENOSPC, EIO, a short write) or kills the process at any named point: a tiny real filesystem needs root.
+  point(name) marks the crash points: "append", "appended" (written, not yet fsync'ed), "synced" (durable,
+  not yet applied or answered), "compact_tmp" (temp file durable, not renamed), "compact_renamed"."""
+
+  def open_append(self, path):
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+  def write(self, fd, data):
+    mv = memoryview(data)
+    while mv:
+      mv = mv[os.write(fd, mv):]
+
+  def fsync(self, fd):
+    os.fsync(fd)
+
+  def truncate(self, fd, size):
+    os.ftruncate(fd, size)
+
+  def replace(self, src, dst):
+    os.replace(src, dst)
+
+  def point(self, name):
+    pass
+
+
+DISK = _Disk()
+
+
 class _Queue:
-  """One leased queue. All state is guarded by self.cond; the log is appended under the same lock."""
+  """One leased queue. All state is guarded by self.cond; the log is appended under the same lock.
+
+  Durability rule: a change is written and fsync'ed to the log *before* it is applied in memory or answered,
+  so the reply never claims more than the disk holds. A failed append is cut off again (ftruncate to the last
+  good size); if even that fails the log is marked broken and the next change first rewrites it from memory
+  (compaction), so nothing is ever appended after a torn record (the loader stops at the first bad record).
+  """
 
   def __init__(self, name, cfg):
     self.name, self.cfg = name, cfg
     self.ready = collections.OrderedDict()   # id -> (meta, blob)
     self.leased = {}                          # id -> (meta, blob, expiry)
     self.acked = collections.OrderedDict()   # id -> None, bounded
+    self.failures = {}                        # id -> failures reported (FAIL) for a live item
+    self.quarantined = collections.OrderedDict()  # id -> {"reason", "failures"}, bounded like acked
     self.nbytes = 0
     self.cond = threading.Condition()
     self.path = os.path.join(cfg.run_dir, f"queue-{name}.log") if cfg.run_dir else None
-    self.log, self.log_bytes = None, 0
+    self.log, self.log_bytes, self.broken = None, 0, False
     if self.path:
       self._load()
 
   # Log records: struct "<BIQI" (op, header len, payload len, crc32 of header+payload), JSON header, payload.
+  # op 1 PUT {"id", "meta"} + blob; op 2 ACK {"ids"}; op 3 FAIL {"ids", "reason", "quarantined": [ids]}.
   _REC = struct.Struct("<BIQI")
 
   def _record(self, op, header, blob=b""):
@@ -413,6 +555,8 @@ class _Queue:
 
   def _load(self):
     good = 0
+    if os.path.exists(self.path + ".tmp"):  # a compaction that died before its rename: the log is still whole
+      os.remove(self.path + ".tmp")
     if os.path.exists(self.path):
       with open(self.path, "rb") as f:
         data = f.read()
@@ -421,55 +565,141 @@ class _Queue:
         op, hl, pl, crc = self._REC.unpack_from(data, off)
         end = off + self._REC.size + hl + pl
         body = data[off + self._REC.size:end]
-        if end > len(data) or zlib.crc32(body) != crc or op not in (1, 2):
+        if end > len(data) or zlib.crc32(body) != crc or op not in (1, 2, 3):
           break
         hdr = json.loads(body[:hl])
-        if op == 1 and hdr["id"] not in self.acked and hdr["id"] not in self.ready:
+        if op == 1 and not self.known(hdr["id"]):
           self.ready[hdr["id"]] = (hdr["meta"], body[hl:])
           self.nbytes += pl
         elif op == 2:
           for i in hdr["ids"]:
-            if i in self.ready:
-              self.nbytes -= len(self.ready.pop(i)[1])
-            self._remember_acked(i)
+            self._drop(i)
+            self._remember(self.acked, i, None)
+        elif op == 3 and "failures" in hdr:  # a quarantine entry as compaction writes it
+          self._remember(self.quarantined, hdr["quarantined"][0], {"reason": hdr["reason"],
+                                                                   "failures": hdr["failures"]})
+        elif op == 3:
+          self.apply_fail(hdr["ids"], hdr["reason"], hdr["quarantined"], release=False)
         off = good = end
       if good < len(data):
         log.warning("%s: ignoring %d bytes of torn/corrupt tail after offset %d", self.path, len(data) - good, good)
-    self._compact()
+    try:
+      self._compact()
+    except OSError as e:  # e.g. disk full at startup: keep the old log, cut to its last good record
+      log.error("%s: compaction at startup failed (%s); appending to the existing log", self.path, e)
+      if os.path.exists(self.path):
+        os.truncate(self.path, good)
+      self.log = DISK.open_append(self.path)
+      self.log_bytes = good
 
   def _compact(self):
+    """Rewrites the log from memory (ready and leased items, acked ids, failure counts, quarantine):
+    temp file + fsync + rename + fsync(dir). Raises OSError with the old log intact if it fails before the
+    rename; after the rename the new log is the log (a failure there marks it broken, to be rewritten)."""
     tmp = self.path + ".tmp"
-    with open(tmp, "wb") as f:
-      for i, (meta, blob) in self.ready.items():
-        f.write(self._record(1, {"id": i, "meta": meta}, blob))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+      # Leased items are live too (leases are not persisted): after a restart they are ready again.
+      for i, v in itertools.chain(self.leased.items(), self.ready.items()):
+        DISK.write(fd, self._record(1, {"id": i, "meta": v[0]}, v[1]))
       if self.acked:
-        f.write(self._record(2, {"ids": list(self.acked)}))
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, self.path)
+        DISK.write(fd, self._record(2, {"ids": list(self.acked)}))
+      for i, n in self.failures.items():
+        DISK.write(fd, self._record(3, {"ids": [i] * n, "reason": "", "quarantined": []}))
+      for i, r in self.quarantined.items():
+        DISK.write(fd, self._record(3, {"ids": [], "reason": r["reason"], "quarantined": [i],
+                                        "failures": r["failures"]}))
+      DISK.fsync(fd)
+      DISK.point("compact_tmp")
+    except BaseException:
+      os.close(fd)
+      os.remove(tmp)
+      raise
+    os.close(fd)
+    DISK.replace(tmp, self.path)
+    if self.log is not None:
+      os.close(self.log)
+    self.log, self.broken = None, True  # until the new log is open and its rename durable
+    DISK.point("compact_renamed")
     _fsync_dir(os.path.dirname(self.path))
-    if self.log:
-      self.log.close()
-    self.log = open(self.path, "ab")
-    self.log_bytes = self.log.tell()
+    self.log = DISK.open_append(self.path)
+    self.log_bytes = os.fstat(self.log).st_size
+    self.broken = False
 
-  def append(self, records):
-    if not self.log or not records:
+  def write(self, records):
+    """Appends records durably, or raises OSError having left the log as it was (see the class docstring)."""
+    if not self.path or not records:
       return
-    for r in records:
-      self.log.write(r)
-      self.log_bytes += len(r)
-    self.log.flush()
-    if self.cfg.fsync:
-      os.fsync(self.log.fileno())
-    live = self.nbytes + 64 * (len(self.ready) + len(self.leased) + len(self.acked))
-    if self.log_bytes > max(2 * live, 64 << 20):
+    if self.broken:
       self._compact()
+    data = b"".join(records)
+    try:
+      DISK.point("append")
+      DISK.write(self.log, data)
+      DISK.point("appended")
+      if self.cfg.fsync:
+        DISK.fsync(self.log)
+    except OSError:
+      try:
+        DISK.truncate(self.log, self.log_bytes)
+        DISK.fsync(self.log)
+      except OSError:
+        log.error("%s: cannot cut a failed append off; the log will be rewritten before the next change",
+                  self.path)
+        self.broken = True
+      raise
+    self.log_bytes += len(data)
+    DISK.point("synced")
 
-  def _remember_acked(self, i):
-    self.acked[i] = None
-    while len(self.acked) > self.cfg.max_acked_ids:
-      self.acked.popitem(last=False)
+  def maybe_compact(self):
+    """Compacts when the log has grown past 2x its live size; a failure is logged and the old log kept."""
+    live = self.nbytes + 64 * (len(self.ready) + len(self.leased) + len(self.acked) + len(self.quarantined))
+    if self.path and self.log_bytes > max(2 * live, int(self.cfg.compact_min_mb * (1 << 20))):
+      try:
+        self._compact()
+      except OSError as e:
+        log.error("%s: compaction failed (%s); the old log stays in use", self.path, e)
+
+  def close(self):
+    if self.log is not None:
+      os.close(self.log)
+      self.log = None
+
+  def _remember(self, od, i, value):
+    od[i] = value
+    while len(od) > self.cfg.max_acked_ids:
+      od.popitem(last=False)
+
+  def _drop(self, i):
+    """Removes a live item (ready or leased); returns whether it was live."""
+    for d in (self.ready, self.leased):
+      if i in d:
+        self.nbytes -= len(d.pop(i)[1])
+        self.failures.pop(i, None)
+        return True
+    return False
+
+  def ack_ids(self, ids):
+    for i in ids:
+      self._drop(i)
+      self._remember(self.acked, i, None)
+
+  def apply_fail(self, ids, reason, quarantined, release=True):
+    """One failure per id (ids may repeat); quarantined ids leave the queue for good. release: failed leased
+    ids go back to the *tail* of the ready queue (other items go first)."""
+    for i in ids:
+      if i in self.ready or i in self.leased:
+        self.failures[i] = self.failures.get(i, 0) + 1
+    for i in quarantined:
+      n = self.failures.get(i, 0)
+      if self._drop(i):
+        self._remember(self.quarantined, i, {"reason": reason, "failures": n})
+    if release:
+      for i in ids:
+        if i in self.leased:
+          meta, blob, _ = self.leased.pop(i)
+          self.ready[i] = (meta, blob)
+      self.cond.notify_all()
 
   def reclaim(self):
     now = time.monotonic()
@@ -488,7 +718,18 @@ class _Queue:
     return len(ids)
 
   def known(self, i):
-    return i in self.ready or i in self.leased or i in self.acked
+    return i in self.ready or i in self.leased or i in self.acked or i in self.quarantined
+
+
+def _seconds(h, key, default, hi, clamp=True):
+  """A duration field of a request: a finite int/float (not a str, not a bool), clamped to [0, hi] (waits) or
+  refused above hi (clamp=False). NaN would defeat every deadline computed from it."""
+  x = h.get(key, default)
+  if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+    raise ValueError(f"{key} must be a finite number of seconds, got {x!r:.50}")
+  if not clamp and x > hi:
+    raise ValueError(f"{key}={x} exceeds the limit of {hi} s")
+  return min(max(float(x), 0.0), hi)
 
 
 def _fsync_dir(path):
@@ -507,17 +748,23 @@ class Server:
       raise ValueError(f"max_versions must be >= 1, got {cfg.max_versions}")
     if cfg.token is not None and not cfg.token:
       raise ValueError("token must be a non-empty string or None")
+    if cfg.max_failures < 1 or cfg.max_clients < 1:
+      raise ValueError(f"max_failures and max_clients must be >= 1, got {cfg.max_failures}, {cfg.max_clients}")
     self.cfg = cfg
     self._max_payload = int(cfg.max_payload_mb * (1 << 20))
     self._max_put = int(cfg.max_put_mb * (1 << 20))
     self._max_header = int(cfg.max_header_kb * 1024)
+    self._untrusted_header = min(int(cfg.untrusted_header_kb * 1024), self._max_header)
     self._versions = []                         # kept _Version objects, oldest first
     self._wcond = threading.Condition()
     self._push_lock = threading.Lock()          # one push in flight bounds memory
+    self._staged = {}                           # sharded mode: version -> _Staged (this server's pieces)
+    self._keep = set()                          # versions the coordinator said are committed (never GC'd first)
+    self._manifests = []                        # sharded mode: [(version, manifest JSON bytes)], oldest first
     self._queues = {}
     self._qlock = threading.Lock()
     self._stopped = threading.Event()
-    self._conns = set()
+    self._conns = {}                            # socket -> _Conn
     self._conn_lock = threading.Lock()
     self._threads = []
     self._started = time.monotonic()
@@ -531,7 +778,8 @@ class Server:
         m = re.match(r"^queue-(.+)\.log$", fn)
         if m and _QUEUE_NAME.match(m.group(1)):
           self._queues[m.group(1)] = _Queue(m.group(1), cfg)
-    self._sock = socket.create_server((cfg.host, cfg.port), backlog=128)
+    # A deep accept queue: when it is full the kernel drops a newcomer's SYN, which costs that client 1 s.
+    self._sock = socket.create_server((cfg.host, cfg.port), backlog=max(128, min(cfg.max_clients, 4096)))
     self.port = self._sock.getsockname()[1]
 
   # -- lifecycle
@@ -556,11 +804,8 @@ class Server:
     self._stopped.set()
     self._sock.close()
     with self._conn_lock:
-      for c in list(self._conns):
-        try:
-          c.shutdown(socket.SHUT_RDWR)
-        except OSError:
-          pass
+      for c in list(self._conns.values()):
+        c.kick()
     for cond in [self._wcond, self._write_cond] + [q.cond for q in self._queues.values()]:
       with cond:
         cond.notify_all()
@@ -570,30 +815,99 @@ class Server:
       self._writer.join(timeout=60.0)
     for q in self._queues.values():
       with q.cond:
-        if q.log:
-          q.log.close()
-          q.log = None
+        q.close()
 
   def _accept_loop(self):
-    self._sock.settimeout(0.2)
-    while not self._stopped.is_set():
+    """Accepts connections and parks them in a selector until their first byte arrives; only then does a
+    connection get a thread. Idle connections therefore cost no thread, and a burst of them is accepted in
+    microseconds each, so a trainer or worker connecting behind them is not kept waiting in the accept queue."""
+    sel = selectors.DefaultSelector()
+    self._sock.setblocking(False)
+    sel.register(self._sock, selectors.EVENT_READ)
+    parked = {}  # socket -> (_Conn, addr): accepted, nothing received yet, no thread
+    last_sweep = time.monotonic()
+    try:
+      while not self._stopped.is_set():
+        ready = []
+        for key, _ in sel.select(timeout=0.2):
+          if key.fileobj is self._sock:
+            self._accept_ready(sel, parked)
+          elif key.fileobj in parked:
+            ready.append(key.fileobj)
+        # First bytes (or EOF): from now on a thread serves the connection. Starting a thread costs ~1 ms on a
+        # loaded box, so after a burst of connections a client that opens with AUTH goes first, and at most 32
+        # start per pass (the rest stay readable for the next pass, after newer accepts).
+        ready.sort(key=lambda k: not _opens_with_auth(k))
+        for k in ready[:32]:
+          sel.unregister(k)
+          c, addr = parked.pop(k)
+          t = threading.Thread(target=self._serve_conn, args=(c, addr), daemon=True)
+          t.start()
+          self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        now = time.monotonic()
+        if now - last_sweep > 1.0:  # parked connections idle past idle_timeout_s, or evicted meanwhile
+          last_sweep = now
+          with self._conn_lock:
+            gone = [k for k, (c, _) in parked.items()
+                    if self._conns.get(k) is not c or now - c.since > self.cfg.idle_timeout_s]
+            for k in gone:
+              if self._conns.get(k) is parked[k][0]:
+                del self._conns[k]
+          for k in gone:
+            sel.unregister(k)
+            parked.pop(k)
+            k.close()
+    except OSError:  # the listening socket was closed by stop()
+      pass
+    finally:
+      for k in parked:
+        k.close()
+      sel.close()
+
+  def _accept_ready(self, sel, parked):
+    while True:
       try:
         conn, addr = self._sock.accept()
-      except socket.timeout:
-        continue
-      except OSError:
+      except (BlockingIOError, InterruptedError):
         return
+      conn.setblocking(True)
+      c = _Conn(conn)
       with self._conn_lock:
-        busy = len(self._conns) >= self.cfg.max_clients
+        victim = self._victim() if len(self._conns) >= self.cfg.max_clients else None
+        busy = len(self._conns) >= self.cfg.max_clients and victim is None
+        if victim is not None:
+          del self._conns[victim.sock]
         if not busy:
-          self._conns.add(conn)
+          self._conns[conn] = c
+      if victim is not None:
+        if victim.sock in parked:  # no thread yet: close it here
+          sel.unregister(victim.sock)
+          parked.pop(victim.sock)
+          victim.sock.close()
+        else:
+          victim.kick()  # its thread wakes from recv/send with an error and cleans up
       if busy:
-        self._reply_error(conn, "busy", f"server busy: {self.cfg.max_clients} clients connected")
+        self._reply_error(conn, "busy", f"server busy: {self.cfg.max_clients} authenticated clients connected")
         conn.close()
         continue
-      t = threading.Thread(target=self._serve_conn, args=(conn, addr), daemon=True)
-      t.start()
-      self._threads = [x for x in self._threads if x.is_alive()] + [t]
+      parked[conn] = (c, addr)
+      sel.register(conn, selectors.EVENT_READ)
+
+  def _victim(self):
+    """The connection to evict when all slots are taken: an unauthenticated one (idle first, the earliest
+    accepted; then one still sending its header, then any, the longest in that state first), else an
+    authenticated one that is idle (its client reconnects transparently). None when every slot does
+    authenticated work: then "busy".
+    So no number of idle or slow anonymous connections can keep a trainer or worker out."""
+    for c in self._conns.values():  # fast path (O(1) in a flood of idle ones): dict order is accept order
+      if not c.trusted and c.state == "idle":
+        return c
+    rank = {"idle": 0, "header": 1, "busy": 2}
+    anon = [c for c in self._conns.values() if not c.trusted]
+    if anon:
+      return min(anon, key=lambda c: (rank[c.state], c.since))
+    idle = [c for c in self._conns.values() if c.state == "idle"]
+    return min(idle, key=lambda c: c.since) if idle else None
 
   def _reply_error(self, conn, code, msg):
     try:
@@ -602,26 +916,31 @@ class Server:
     except OSError:
       pass
 
-  def _serve_conn(self, conn, addr):
+  def _serve_conn(self, c, addr):
+    conn = c.sock
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # notices peers that vanished (half-open)
     try:
       while not self._stopped.is_set():
         try:
-          got = _read_prefix_header(conn, time.monotonic() + self.cfg.idle_timeout_s,
-                                    self.cfg.header_timeout_s, self._max_header)
+          c.set("idle")
+          got = _read_prefix_header(conn, time.monotonic() + self.cfg.idle_timeout_s, self.cfg.header_timeout_s,
+                                    lambda _: self._max_header if c.trusted else self._untrusted_header,
+                                    on_start=lambda: c.set("header"))
           if got is None:
             return
+          c.set("busy")
           mtype, header, plen = got
           deadline = time.monotonic() + self.cfg.header_timeout_s + plen / (self.cfg.min_rate_mb_s * 1e6)
-          self._dispatch(conn, mtype, header, plen, deadline)
+          self._dispatch(c, mtype, header, plen, deadline)
         except _Refused as e:
           self._reply_error(conn, e.code, str(e))
         except _Idle:
           return
-        except (ProtocolError, TimeoutError, _Truncated) as e:
+        except (ProtocolError, TimeoutError, _Truncated, _AuthClose) as e:
           log.info("closing %s: %s", addr, e)
-          self._reply_error(conn, "timeout" if isinstance(e, TimeoutError) else "protocol", str(e))
+          code = "timeout" if isinstance(e, TimeoutError) else "auth" if isinstance(e, _AuthClose) else "protocol"
+          self._reply_error(conn, code, str(e))
           _linger_close(conn)
           return
     except OSError as e:  # peer reset etc.
@@ -631,7 +950,8 @@ class Server:
       self._reply_error(conn, "internal", f"internal server error: {type(e).__name__}: {e}")
     finally:
       with self._conn_lock:
-        self._conns.discard(conn)
+        if self._conns.get(conn) is c:
+          del self._conns[conn]
       conn.close()
 
   # -- request handling
@@ -644,36 +964,54 @@ class Server:
       _recv_into(conn, scratch[:n], deadline, "discarded payload")
       left -= n
 
-  def _dispatch(self, conn, mtype, header, plen, deadline):
+  def _dispatch(self, c, mtype, header, plen, deadline):
+    """Checks that hold for every message type, in this order, before any payload byte is read: known type,
+    payload within its cap, and the token (for types that need it and for *any* request that carries a
+    payload): an unauthenticated payload is never received or drained; the connection is closed instead."""
+    conn = c.sock
     if mtype not in REQUEST_TYPES:
       raise ProtocolError(f"unknown message type {mtype}")
-    cap = {PUSH: self._max_payload, PUT: self._max_put}.get(mtype, 0)
+    name = REQUEST_TYPES[mtype]
+    # A manifest grows with tensors x trainer shards (MBs for a 32B model on a pod), so COMMIT's payload is capped
+    # like a weight push, not like a header.
+    cap = {PUSH: self._max_payload, PUT: self._max_put, STAGE: self._max_payload,
+           COMMIT: self._max_payload}.get(mtype, 0)
     if plen > cap:
-      raise ProtocolError(f"{REQUEST_TYPES[mtype]}: payload length {plen} exceeds the limit of {cap} bytes")
+      raise ProtocolError(f"{name}: payload length {plen} exceeds the limit of {cap} bytes")
+    tok = header.get("token")
+    if tok is not None and self.cfg.token is not None and isinstance(tok, str) and hmac.compare_digest(
+        tok.encode(), self.cfg.token.encode()):
+      c.trusted = True
+    if (mtype in NEEDS_TOKEN or plen) and not c.trusted:
+      why = "the server has no token configured" if self.cfg.token is None else "missing or wrong token"
+      if plen:
+        raise _AuthClose(f"{name} refused: {why} (payload not read; connection closed)")
+      raise _Refused("auth", f"{name} refused: {why}")
     try:
-      if mtype in NEEDS_TOKEN:
-        tok = header.get("token")
-        if self.cfg.token is None:
-          raise _Refused("auth", f"{REQUEST_TYPES[mtype]} refused: the server has no token configured")
-        if not isinstance(tok, str) or not hmac.compare_digest(tok.encode(), self.cfg.token.encode()):
-          raise _Refused("auth", f"{REQUEST_TYPES[mtype]} refused: missing or wrong token")
       handler = {PUSH: self._push, PULL: self._pull, LATEST: self._latest, PUT: self._put, GET: self._get,
-                 ACK: self._ack, REQUEUE: self._requeue, STATS: self._stats}[mtype]
+                 ACK: self._ack, REQUEUE: self._requeue, STATS: self._stats, STAGE: self._stage,
+                 STAGED: self._staged_table, COMMIT: self._commit, MANIFEST: self._manifest,
+                 FETCH: self._fetch, AUTH: self._auth, FAIL: self._fail}[mtype]
       handler(conn, header, plen, deadline)
     except (_Refused, ValueError, KeyError, TypeError) as e:
       if isinstance(e, ProtocolError):
         raise
       if not getattr(e, "_payload_read", False):
         self._drain(conn, plen, deadline)  # keep the stream in sync: the request stays refused, not stored
-      raise e if isinstance(e, _Refused) else _Refused("bad_request", f"{REQUEST_TYPES[mtype]}: {e}") from None
+      raise e if isinstance(e, _Refused) else _Refused("bad_request", f"{name}: {e}") from None
+
+  def _auth(self, conn, h, plen, deadline):
+    self._ok(conn, {"authenticated": True})
 
   def _ok(self, conn, header, parts=(), nbytes=0):
     _send_frame(conn, OK, header, parts,
                 deadline=time.monotonic() + self.cfg.header_timeout_s + nbytes / (self.cfg.min_rate_mb_s * 1e6))
 
   def latest(self):
+    """Newest visible version: a pushed one or (sharded mode) a committed manifest."""
     with self._wcond:
-      return self._versions[-1].version if self._versions else -1
+      return max(self._versions[-1].version if self._versions else -1,
+                 self._manifests[-1][0] if self._manifests else -1)
 
   def _push(self, conn, h, plen, deadline):
     version, specs, digest = h.get("version"), h.get("tensors"), h.get("digest")
@@ -714,10 +1052,10 @@ class Server:
     self._ok(conn, {"version": version})
 
   def _pull(self, conn, h, plen, deadline):
-    newer_than, wait_s, want = h.get("newer_than", -1), float(h.get("wait_s", 0.0)), h.get("version")
+    newer_than, want = h.get("newer_than", -1), h.get("version")
     if not isinstance(newer_than, int):
       raise ValueError(f"newer_than must be an int, got {newer_than!r}")
-    end = time.monotonic() + min(max(wait_s, 0.0), self.cfg.max_wait_s)
+    end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
     with self._wcond:
       while True:
         if want is not None:
@@ -737,6 +1075,124 @@ class Server:
     # Send from the immutable buffer outside the lock: concurrent pullers share it, a push cannot touch it.
     _send_frame_raw(conn, v.head, v.buf, time.monotonic() + self.cfg.header_timeout_s +
                     len(v.buf) / (self.cfg.min_rate_mb_s * 1e6))
+
+  # -- sharded mode: STAGE pieces, list them (STAGED), COMMIT a manifest, read it (MANIFEST), FETCH slices
+
+  def _stage(self, conn, h, plen, deadline):
+    """One piece (a trainer shard of one tensor, tagged with its global slice) of a not-yet-visible version."""
+    version, nonce, name, index = h.get("version"), h.get("nonce"), h.get("name"), h.get("index")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0 or not isinstance(nonce, int):
+      raise ValueError(f"stage: version must be a non-negative int and nonce an int, got {version!r}, {nonce!r}")
+    if not isinstance(name, str) or not 0 < len(name) <= 1024:
+      raise ValueError(f"stage v{version}: bad tensor name {name!r}")
+    spec = dict(name=name, dtype=h.get("dtype"), shape=h.get("shape"), nbytes=h.get("nbytes"), crc=h.get("crc"))
+    _check_specs([spec], plen, f"stage v{version}")
+    if not (isinstance(index, list) and len(index) == len(spec["shape"]) and all(
+        isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and r[1] - r[0] == d
+        for r, d in zip(index, spec["shape"]))):
+      raise ValueError(f"stage v{version} {name!r}: index {index!r} does not match shape {spec['shape']}")
+    buf = _alloc(plen)
+    (crc,) = _recv_with_crcs(conn, buf, [plen], deadline, f"stage v{version} {name!r}")
+    if crc != spec["crc"]:
+      e = _Refused("checksum", f"stage v{version}: tensor {name!r} crc {crc} != declared {spec['crc']}")
+      e._payload_read = True
+      raise e
+    with self._wcond:
+      st = self._staged.get(version)
+      if st is None or st["nonce"] != nonce:  # a new publish of this version (e.g. by a restarted trainer)
+        # Bounded: at most max_versions committed + 2 in progress; the oldest uncommitted ones go first.
+        while len(self._staged) >= self.cfg.max_versions + 2:
+          old = min(self._staged, key=lambda v: (v in self._keep, v))
+          del self._staged[old]
+        st = self._staged[version] = {"nonce": nonce, "pieces": {}}
+      st["pieces"][(name, json.dumps(index))] = (spec, index, buf)
+    self._ok(conn, {"version": version})
+
+  def _staged_table(self, conn, h, plen, deadline):
+    """The pieces staged for (version, nonce), and GC: with "keep", drops staged versions older than the
+    newest kept one that are not kept (the coordinator sends this after each commit)."""
+    version, nonce, keep = h.get("version"), h.get("nonce"), h.get("keep")
+    with self._wcond:
+      if keep is not None:
+        if not (isinstance(keep, list) and all(isinstance(v, int) for v in keep)):
+          raise ValueError(f"staged: keep must be a list of ints, got {keep!r}")
+        self._keep = set(keep)
+        for v in [v for v in self._staged if keep and v < max(keep) and v not in self._keep]:
+          del self._staged[v]
+      st = self._staged.get(version)
+      pieces = [] if st is None or st["nonce"] != nonce else [
+          dict(name=spec["name"], index=index, dtype=spec["dtype"], crc=spec["crc"])
+          for spec, index, _ in st["pieces"].values()]
+      versions = sorted(set(self._staged) | self._keep)  # what this server can serve (empty after a restart)
+    self._ok(conn, {"pieces": pieces, "versions": versions})
+
+  def _commit(self, conn, h, plen, deadline):
+    """Makes a version visible: its manifest (JSON payload) is stored last, after every piece was staged."""
+    buf = bytearray(plen)
+    _recv_into(conn, memoryview(buf), deadline, "commit manifest")
+    try:
+      m = json.loads(buf)
+      version = m["version"]
+      assert isinstance(version, int) and isinstance(m["tensors"], dict)
+    except (ValueError, KeyError, TypeError, AssertionError):
+      e = _Refused("bad_request", "commit: payload must be a JSON manifest with int 'version' and 'tensors'")
+      e._payload_read = True
+      raise e from None
+    with self._wcond:
+      if self._manifests and version <= self._manifests[-1][0]:
+        e = _Refused("stale_version", f"commit v{version} refused: latest manifest is v{self._manifests[-1][0]}")
+        e._payload_read = True
+        raise e
+      self._manifests = (self._manifests + [(version, bytes(buf))])[-self.cfg.max_versions:]
+      kept = [v for v, _ in self._manifests]
+      self._wcond.notify_all()
+    self._ok(conn, {"version": version, "kept": kept})
+
+  def _manifest(self, conn, h, plen, deadline):
+    newer_than = h.get("newer_than", -1)
+    if not isinstance(newer_than, int):
+      raise ValueError(f"newer_than must be an int, got {newer_than!r}")
+    end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
+    with self._wcond:
+      while not (self._manifests and self._manifests[-1][0] > newer_than):
+        left = end - time.monotonic()
+        if left <= 0 or self._stopped.is_set():
+          return self._ok(conn, {"version": None})
+        self._wcond.wait(left)
+      version, buf = self._manifests[-1]
+    self._ok(conn, {"version": version}, [buf], len(buf))
+
+  def _fetch(self, conn, h, plen, deadline):
+    """Sub-slices of staged pieces, each with its crc: a reader gets exactly the bytes its devices need."""
+    version, want = h.get("version"), h.get("pieces")
+    if not isinstance(want, list) or len(want) > self.cfg.max_tensors:
+      raise ValueError("fetch: pieces must be a list")
+    with self._wcond:
+      st = self._staged.get(version)
+      found = []
+      for w in want:
+        got = st and st["pieces"].get((w.get("name"), json.dumps(w.get("index"))))
+        if not got or got[0]["crc"] != w.get("crc"):
+          raise _Refused("stale_version", f"fetch v{version}: piece {w.get('name')!r} {w.get('index')} is not "
+                         "held here (garbage-collected or replaced; read the newest manifest)")
+        found.append((w, got))
+    specs, parts = [], []
+    for w, (spec, index, buf) in found:
+      sub = w.get("sub")
+      if sub is None or sub == [[0, b - a] for a, b in index]:  # the whole piece: its stored crc holds
+        part, crc = memoryview(buf), spec["crc"]
+      else:  # slice leading dims of a (shape..., itemsize) byte view: the server never interprets dtypes
+        if not (isinstance(sub, list) and len(sub) == len(index) and all(
+            isinstance(r, list) and len(r) == 2 and 0 <= r[0] <= r[1] <= b - a for r, (a, b) in zip(sub, index))):
+          raise ValueError(f"fetch v{version} {spec['name']!r}: sub {sub!r} outside piece {index}")
+        raw = np.frombuffer(buf, np.uint8).reshape(*spec["shape"], DTYPES[spec["dtype"]])
+        part = np.ascontiguousarray(raw[tuple(slice(a, b) for a, b in sub)]).reshape(-1)
+        crc = zlib.crc32(part)
+      shape = [b - a for a, b in sub] if sub is not None else spec["shape"]
+      specs.append(dict(name=spec["name"], dtype=spec["dtype"], shape=shape, nbytes=len(part), crc=crc))
+      parts.append(part)
+    self._ok(conn, {"version": version, "tensors": specs, "digest": _digest(version, specs)}, parts,
+             sum(len(p) for p in parts))
 
   def _latest(self, conn, h, plen, deadline):
     self._ok(conn, {"version": self.latest()})
@@ -778,47 +1234,63 @@ class Server:
     _recv_into(conn, memoryview(payload), deadline, "put payload")
     accepted, dups, rejected, seen = [], [], [], set()
     cap_bytes = q.cfg.max_queue_mb * (1 << 20)
-    end = time.monotonic() + min(max(float(h.get("wait_s", 0.0)), 0.0), self.cfg.max_wait_s)
+    end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
     with q.cond:
-      records = []
+      new, new_bytes = {}, 0  # applied only once their records are durable
+
+      def room(n):
+        return (len(q.ready) + len(q.leased) + len(new) < q.cfg.max_queue_items
+                and q.nbytes + new_bytes + n <= cap_bytes)
+
       for m, off, n in items:
         i = m["id"]
         if q.known(i) or i in seen:
           dups.append(i)
           continue
         seen.add(i)
-        while True:  # back-pressure: wait for room (acks and expired leases make room)
+        while not room(n):  # back-pressure: wait for room (acks and expired leases make room)
           q.reclaim()
-          if len(q.ready) + len(q.leased) < q.cfg.max_queue_items and q.nbytes + n <= cap_bytes:
-            break
           left = end - time.monotonic()
-          if left <= 0 or self._stopped.is_set():
+          if room(n) or left <= 0 or self._stopped.is_set():
             break
           q.cond.wait(min(left, 0.5))
-        if len(q.ready) + len(q.leased) >= q.cfg.max_queue_items or q.nbytes + n > cap_bytes:
+        if not room(n):
           rejected.append(i)
           end = 0.0  # the queue is full: do not wait again for each remaining item
           continue
-        meta = {"json": m.get("json", {}), "arrays": m.get("arrays", {}), "nbytes": n}
-        blob = bytes(payload[off:off + n])
-        q.ready[i] = (meta, blob)
-        q.nbytes += n
-        accepted.append(i)
-        records.append(q._record(1, {"id": i, "meta": meta}, blob))
-      q.append(records)  # durable before the reply
+        new[i] = ({"json": m.get("json", {}), "arrays": m.get("arrays", {}), "nbytes": n},
+                  bytes(payload[off:off + n]))
+        new_bytes += n
+      self._write(q, [q._record(1, {"id": i, "meta": meta}, blob) for i, (meta, blob) in new.items()], "put")
+      q.ready.update(new)
+      q.nbytes += new_bytes
+      accepted = list(new)
       if accepted:
         q.cond.notify_all()
+      q.maybe_compact()
     self._ok(conn, {"accepted": accepted, "duplicates": dups, "rejected": rejected,
                     "depth": len(q.ready) + len(q.leased)})
 
+  def _write(self, q, records, what):
+    """Durable append or a StorageError reply ("storage"): nothing in memory changed, the request changed
+    nothing, and the reply says so (a put refused for lack of disk is never reported as a duplicate)."""
+    try:
+      q.write(records)
+    except OSError as e:
+      log.error("queue %r: %s not stored: %s", q.name, what, e)
+      err = _Refused("storage", f"{what} on queue {q.name!r} not stored (nothing changed, retry later): "
+                                f"{type(e).__name__}: {e}")
+      err._payload_read = True
+      raise err from None
+
   def _get(self, conn, h, plen, deadline):
     q = self._queue(h.get("queue"))
-    max_items, lease_s = h.get("max_items"), float(h.get("lease_s", 300.0))
+    max_items, lease_s = h.get("max_items"), _seconds(h, "lease_s", 300.0, self.cfg.max_lease_s, clamp=False)
     if not isinstance(max_items, int) or max_items < 1:
       raise ValueError(f"max_items must be a positive int, got {max_items!r}")
-    if not 0 < lease_s <= self.cfg.max_lease_s:
-      raise ValueError(f"lease_s must be in (0, {self.cfg.max_lease_s}], got {lease_s}")
-    end = time.monotonic() + min(max(float(h.get("wait_s", 0.0)), 0.0), self.cfg.max_wait_s)
+    if lease_s <= 0:
+      raise ValueError(f"lease_s must be > 0, got {lease_s}")
+    end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
     out, nbytes = [], 0
     with q.cond:
       while True:
@@ -850,22 +1322,55 @@ class Server:
     ids = h.get("ids")
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
       raise ValueError("ids must be a list of str")
-    acked, unknown = 0, []
     with q.cond:
-      for i in ids:
-        if i in q.leased:
-          q.nbytes -= len(q.leased.pop(i)[1])
-        elif i in q.ready:
-          q.nbytes -= len(q.ready.pop(i)[1])
-        elif i not in q.acked:
-          unknown.append(i)
-          continue
-        acked += 1
-        q._remember_acked(i)
+      unknown = [i for i in ids if not (i in q.ready or i in q.leased or i in q.acked)]
       done = [i for i in ids if i not in set(unknown)]
-      q.append([q._record(2, {"ids": done})] if done else [])
+      self._write(q, [q._record(2, {"ids": done})] if done else [], "ack")
+      q.ack_ids(done)
       q.cond.notify_all()  # room for blocked puts
-    self._ok(conn, {"acked": acked, "unknown": unknown})
+      q.maybe_compact()
+    self._ok(conn, {"acked": len(done), "unknown": unknown})
+
+  def _fail(self, conn, h, plen, deadline):
+    """A worker could not process leased items: one failure each; after max_failures an item is quarantined
+    (removed for good, recorded with its reason) and a notice {"id", "queue", "reason", "failures"} is put in
+    the queue "<queue>.failed" for the producer (the trainer) to read; other failed items go back to the tail."""
+    q = self._queue(h.get("queue"), create=False)
+    ids, reason = h.get("ids"), h.get("reason", "")
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+      raise ValueError("ids must be a list of str")
+    if not isinstance(reason, str):
+      raise ValueError(f"reason must be a str, got {type(reason).__name__}")
+    reason = reason[:2000]
+    with q.cond:
+      mine = list(dict.fromkeys(i for i in ids if i in q.leased))
+      quarantine = [i for i in mine if q.failures.get(i, 0) + 1 >= self.cfg.max_failures]
+      if quarantine:
+        # Notices first: a crash between the two writes leaves the item live *and* noticed, which the
+        # trainer tolerates (it counts ids once); the other order could lose the notice.
+        self._put_notices(q, quarantine, reason)
+      self._write(q, [q._record(3, {"ids": mine, "reason": reason, "quarantined": quarantine})], "fail")
+      q.apply_fail(mine, reason, quarantine)
+      q.maybe_compact()
+    for i in quarantine:
+      log.warning("queue %r: item %r quarantined after %d failures: %s", q.name, i, self.cfg.max_failures,
+                  reason[:200])
+    self._ok(conn, {"failed": mine, "quarantined": quarantine})
+
+  def _put_notices(self, q, ids, reason):
+    name = q.name + ".failed"
+    if not _QUEUE_NAME.match(name):
+      return
+    nq = self._queue(name)
+    with nq.cond:
+      new = {}
+      for i in ids:
+        if not nq.known(i):
+          js = {"queue": q.name, "reason": reason, "failures": q.failures.get(i, 0) + 1}
+          new[i] = ({"json": js, "arrays": {}, "nbytes": 0}, b"")
+      self._write(nq, [nq._record(1, {"id": i, "meta": m}, b) for i, (m, b) in new.items()], "fail notice")
+      nq.ready.update(new)
+      nq.cond.notify_all()
 
   def _requeue(self, conn, h, plen, deadline):
     q = self._queue(h.get("queue"))
@@ -885,7 +1390,7 @@ class Server:
       with q.cond:
         q.reclaim()
         queues[name] = {"ready": len(q.ready), "leased": len(q.leased), "acked": len(q.acked),
-                        "bytes": q.nbytes}
+                        "bytes": q.nbytes, "failing": len(q.failures), "quarantined": len(q.quarantined)}
     with self._conn_lock:
       clients = len(self._conns)
     return {"latest_version": versions[-1] if versions else -1, "versions": versions, "weight_bytes": wbytes,
@@ -919,8 +1424,12 @@ class Server:
           os.fsync(f.fileno())
         os.replace(tmp, self._weights_path())
         _fsync_dir(self.cfg.run_dir)
-      except OSError:
+      except OSError:  # e.g. disk full: the previous weights.bin stays; the trainer re-publishes after a restart
         log.exception("could not persist weights v%d", v.version)
+        try:
+          os.remove(tmp)  # a partial temp file must not keep holding the space
+        except OSError:
+          pass
 
   def _load_weights(self):
     path = self._weights_path()
@@ -943,6 +1452,15 @@ class Server:
       log.info("loaded weights v%d (%d bytes) from %s", h["version"], plen, path)
     except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
       log.error("ignoring unreadable %s: %s", path, e)
+
+
+def _opens_with_auth(conn):
+  """Whether the bytes waiting on conn start an AUTH frame (peeked, not consumed)."""
+  try:
+    pre = conn.recv(PREFIX.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+  except OSError:
+    return False
+  return len(pre) >= 8 and pre[:4] == MAGIC and struct.unpack_from("<H", pre, 6)[0] == AUTH
 
 
 def _linger_close(conn, max_bytes=1 << 20, max_s=0.2):
@@ -1010,7 +1528,7 @@ def read_token(path):
 
 
 _ERRORS = {"auth": PermissionError, "bad_request": ValueError, "stale_version": ValueError,
-           "protocol": ProtocolError, "checksum": ChecksumError, "timeout": TimeoutError}
+           "protocol": ProtocolError, "checksum": ChecksumError, "timeout": TimeoutError, "storage": StorageError}
 
 
 class Client:
@@ -1051,16 +1569,14 @@ class Client:
         try:
           if self._sock is not None and select.select([self._sock], [], [], 0)[0]:
             self._drop()  # readable between requests = the server closed it (idle timeout, restart)
+          error = False
           if self._sock is None:
             self._sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-          nbytes = sum(memoryview(p).nbytes for p in parts)
-          slack = self.timeout_s + nbytes / 50e6
-          try:
-            _send_frame(self._sock, mtype, header, parts, deadline=time.monotonic() + slack)
-          except OSError:
-            pass  # the server may have refused early and closed; its error reply may still be readable
-          h, buf, error = self._read_reply(time.monotonic() + self.timeout_s + wait_s, tensors)
+            if self.token:  # authenticate the connection first: it then gets a reserved slot, big headers
+              h, buf, error = self._exchange(AUTH, {"token": self.token}, (), 0.0, False)
+          if not error:
+            h, buf, error = self._exchange(mtype, header, parts, wait_s, tensors)
         except OSError as e:  # ConnectionError, TimeoutError, ...: the server may be restarting; retry
           self._drop()
           last = e
@@ -1073,6 +1589,15 @@ class Client:
         last = ConnectionError(h.get("error"))
     raise ConnectionError(f"param server {self.host}:{self.port} unreachable after {self.retries + 1} "
                           f"attempts ({REQUEST_TYPES[mtype]}): {type(last).__name__}: {last}")
+
+  def _exchange(self, mtype, header, parts, wait_s, tensors):
+    nbytes = sum(memoryview(p).nbytes for p in parts)
+    slack = self.timeout_s + nbytes / 50e6
+    try:
+      _send_frame(self._sock, mtype, header, parts, deadline=time.monotonic() + slack)
+    except OSError:
+      pass  # the server may have refused early and closed; its error reply may still be readable
+    return self._read_reply(time.monotonic() + self.timeout_s + wait_s, tensors)
 
   def _read_reply(self, deadline, tensors):
     got = _read_prefix_header(self._sock, deadline, self.timeout_s, 1 << 30)
@@ -1127,6 +1652,36 @@ class Client:
   def latest_version(self) -> int:
     return self._request(LATEST, {})[0]["version"]
 
+  # -- sharded weights (one Client per shard server; the manifest lives on the first)
+
+  def stage(self, version: int, nonce: int, name: str, index, array):
+    """Stores one piece of tensor `name` (the global slice `index`: [[start, stop], ...]) for a version that
+    stays invisible until a manifest naming it is committed. Needs the token."""
+    spec, raw = _as_wire_array(array, f"stage tensor {name!r}")
+    self._request(STAGE, dict(spec, version=int(version), nonce=int(nonce), name=name,
+                              index=[[int(a), int(b)] for a, b in index], crc=zlib.crc32(raw)), [raw])
+
+  def staged(self, version=None, nonce=None, keep=None) -> dict:
+    """{"pieces": [{name, index, dtype, crc}] staged here for (version, nonce), "versions": [held versions]};
+    keep=[committed versions] also garbage-collects older uncommitted/unkept ones."""
+    return self._request(STAGED, {"version": version, "nonce": nonce, "keep": keep})[0]
+
+  def commit(self, manifest: dict) -> list:
+    """Makes manifest["version"] visible; returns the versions whose manifests the server keeps. Needs the token."""
+    return self._request(COMMIT, {}, [json.dumps(manifest, separators=(",", ":")).encode()])[0]["kept"]
+
+  def manifest(self, newer_than: int = -1, wait_s: float = 0.0):
+    """The newest committed manifest (dict) if its version > newer_than, else None (at once or after wait_s)."""
+    h, buf = self._request(MANIFEST, {"newer_than": int(newer_than), "wait_s": float(wait_s)}, wait_s=wait_s)
+    return None if h["version"] is None else json.loads(bytes(buf))
+
+  def fetch(self, version: int, pieces) -> list:
+    """Sub-slices of staged pieces: pieces = [{name, index, crc, sub}] (sub: [[start, stop], ...] within the
+    piece, None = all of it). Returns one array per piece, crc-checked; raises ValueError if the server no
+    longer holds one (the version was garbage-collected: read the newest manifest again)."""
+    h, buf = self._request(FETCH, {"version": int(version), "pieces": list(pieces)}, tensors=True)
+    return _views(buf, h["tensors"])
+
   def stats(self) -> dict:
     return self._request(STATS, {})[0]
 
@@ -1156,7 +1711,7 @@ class Client:
             parts.append(raw)
         else:
           try:
-            json.dumps(v, default=_json_default)
+            json.dumps(v, default=_json_default, allow_nan=False)
           except (TypeError, ValueError) as e:
             raise ValueError(f"{what} is neither JSON-able nor an np.ndarray: {e}") from None
           js[k] = json.loads(json.dumps(v, default=_json_default))
@@ -1188,6 +1743,13 @@ class Client:
     """Removes items forever (they are never delivered again, even after a server restart)."""
     h, _ = self._request(ACK, {"queue": queue, "ids": [str(i) for i in ids]})
     return {"acked": h["acked"], "unknown": h["unknown"]}
+
+  def fail(self, queue: str, ids, reason: str) -> dict:
+    """Reports leased items the caller could not process (reason: a short text, e.g. the exception). Each is
+    re-issued (to the tail) until it failed max_failures times; then it is quarantined and a notice lands in
+    the queue "<queue>.failed". Returns {"failed": [ids still leased by anyone], "quarantined": [ids]}."""
+    h, _ = self._request(FAIL, {"queue": queue, "ids": [str(i) for i in ids], "reason": str(reason)})
+    return {"failed": h["failed"], "quarantined": h["quarantined"]}
 
   def requeue(self, queue: str, ids=None) -> int:
     """Releases outstanding leases of `queue` at once: all of them (a restarted consumer calls this at startup)
@@ -1271,6 +1833,10 @@ def _main():
                      f"{d.min_rate_mb_s}).")
   flags.DEFINE_float("max_wait_s", d.max_wait_s, f"Cap on server-side waits (s, default {d.max_wait_s}).")
   flags.DEFINE_bool("fsync", d.fsync, f"fsync queue logs before replying (default {d.fsync}).")
+  flags.DEFINE_float("untrusted_header_kb", d.untrusted_header_kb, f"Cap on a frame header before the "
+                     f"connection authenticated (KiB, default {d.untrusted_header_kb}).")
+  flags.DEFINE_integer("max_failures", d.max_failures, f"FAIL reports after which a queue item is quarantined "
+                       f"(count, default {d.max_failures}).")
   FLAGS = flags.FLAGS
 
   def main(argv):
@@ -1292,7 +1858,8 @@ def _main():
                        max_payload_mb=FLAGS.max_payload_mb, max_put_mb=FLAGS.max_put_mb,
                        max_header_kb=FLAGS.max_header_kb, max_clients=FLAGS.max_clients,
                        idle_timeout_s=FLAGS.idle_timeout_s, header_timeout_s=FLAGS.header_timeout_s,
-                       min_rate_mb_s=FLAGS.min_rate_mb_s, max_wait_s=FLAGS.max_wait_s, fsync=FLAGS.fsync)
+                       min_rate_mb_s=FLAGS.min_rate_mb_s, max_wait_s=FLAGS.max_wait_s, fsync=FLAGS.fsync,
+                       untrusted_header_kb=FLAGS.untrusted_header_kb, max_failures=FLAGS.max_failures)
     serve(cfg, port_file=FLAGS.port_file)
 
   app.run(main)

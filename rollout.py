@@ -17,6 +17,9 @@ Design:
   * Preemption: SIGTERM stops leasing, finishes the groups in flight for at most --drain_s seconds, sends them,
     and returns (releases) the rest so the server re-issues them at once.  kill -9 loses only leases, which
     expire on the server and are re-issued.
+  * A bad item never ends the worker: an exception while inserting, scoring or sending one prompt is reported
+    to the server (Client.fail, with the reason), which re-issues it and quarantines it after its
+    --max_failures reports; the worker goes on with the next (fail_item).
 
 Run:
   worker (CPU, one TPU host): python rollout.py --server=127.0.0.1:5555 --token_file=runs/x/token \
@@ -38,6 +41,7 @@ import numpy as np
 
 import data
 import model
+import shards
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -224,9 +228,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
   return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def evaluate(cfg, params, tok, problems, *, n_samples, ks, sc, slots, seed, template="plain", pool=None):
+def evaluate(cfg, params, tok, problems, *, n_samples, ks, sc, slots, seed, template="plain", pool=None,
+             chat_template=None):
   """pass@k for each k in ks over problems, n_samples samples each. Returns a dict of metrics."""
-  enc = {p.id: tok.encode(data.render_prompt(p, template), add_bos=True) for p in problems}
+  enc = {p.id: tok.encode(data.render_prompt(p, template, chat_template=chat_template), add_bos=True)
+         for p in problems}
   engine = Engine(cfg, sc, slots=max(slots, n_samples), max_prompt_len=max(map(len, enc.values())))
   engine.reset(jax.tree.leaves(params)[0].dtype)
   t0 = time.time()
@@ -259,9 +265,14 @@ def define_flags():
   flags.DEFINE_string("tokenizer", None, "Tokenizer: sentencepiece .model or a dir with tokenizer.json. Required.")
   flags.DEFINE_string("checkpoint", None, "HF checkpoint dir (eval mode; worker mode waits for pushed weights).")
   flags.DEFINE_string("worker_id", None, "Name used in logs and rollout records. Default host-pid.")
+  flags.DEFINE_integer("tensor_parallel", 1, "Local devices the worker shards its weights over (tensor axis); it "
+                       "pulls only the slices they hold (reshard on pull). Default 1.")
   flags.DEFINE_integer("slots", 32, "Concurrent sequences in the decode batch. Default 32.")
   flags.DEFINE_integer("chunk_steps", 8, "Decode steps between host syncs (refill granularity). Default 8.")
-  flags.DEFINE_integer("max_prompt_len", 64, "Longest prompt in tokens. Default 64.")
+  flags.DEFINE_integer("max_prompt_len", 64, "Longest prompt in tokens when the trainer does not send one with the "
+                       "sampling settings (it does: the longest prompt it kept). Default 64.")
+  flags.DEFINE_bool("math_strict", True, "task=math: reward only a \\boxed{} answer (math-verify compares it); "
+                    "False also takes 'answer is X', '#### X' or the last number. Default True.")
   # Sampling flags apply to eval mode; a worker samples with the trainer's settings, which travel with the
   # weights (so the trainer always scores the distribution the workers sampled from).
   flags.DEFINE_integer("max_new_tokens", 16, "Eval: completion budget in tokens. Default 16.")
@@ -276,6 +287,8 @@ def define_flags():
   flags.DEFINE_integer("server_retries", 30, "Reconnect attempts (exponential backoff, max 2 s apart) before giving up "
                        "on the server. Default 30.")
   flags.DEFINE_integer("seed", 0, "Sampling seed (folded with the prompt id). Default 0.")
+  flags.DEFINE_integer("max_failures_in_a_row", 8, "Prompts that may fail (reported to the server) in a row before "
+                       "the worker treats itself as broken and exits (count). Default 8.")
   flags.DEFINE_string("attn_impl", "auto", "Attention path: auto (Pallas on TPU), ref or pallas. Default auto.")
   flags.DEFINE_string("template", "plain", "Prompt template passed to data.render_prompt. Default plain.")
   # Eval mode.
@@ -287,12 +300,42 @@ def define_flags():
   flags.DEFINE_integer("eval_n", 200, "Number of held-out problems. Default 200.")
   flags.DEFINE_integer("k", 8, "Samples per problem; reports pass@1 and pass@k. Default 8.")
   flags.DEFINE_string("out", None, "Write eval metrics as JSON here. Default none.")
+  # Bad values fail at flag parsing, before any work starts (issue 15), with the flag and its value named.
+  at_least = lambda n: (lambda v: v >= n)  # noqa: E731
+  positive = lambda v: math.isfinite(v) and v > 0  # noqa: E731
+  for name, ok, rule in (
+      ("slots", at_least(1), ">= 1"), ("chunk_steps", at_least(1), ">= 1"), ("max_prompt_len", at_least(1), ">= 1"),
+      ("max_new_tokens", at_least(1), ">= 1"), ("top_k", at_least(0), ">= 0 (0 = off)"),
+      ("max_staleness", at_least(0), ">= 0"), ("verifier_workers", at_least(0), ">= 0 (0 = inline)"),
+      ("server_retries", at_least(0), ">= 0"), ("eval_difficulty", at_least(1), ">= 1"),
+      ("eval_n", at_least(1), ">= 1"), ("k", at_least(1), ">= 1"),
+      ("temperature", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0 (0 = greedy)"),
+      ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("lease_s", positive, "finite and > 0"),
+      ("drain_s", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
+      ("verifier_timeout_s", positive, "finite and > 0")):
+    flags.register_validator(name, ok, message=f"--{name} must be {rule}")
 
 
 def _client(token):
   import param_server
   host, port = FLAGS.server.rsplit(":", 1)
   return param_server.Client(host, int(port), token=token, retries=FLAGS.server_retries)
+
+
+def fail_item(client, gid, exc, failures):
+  """Reports a prompt this worker could not process (the server re-issues it to the tail of the queue and
+  quarantines it after its --max_failures reports, telling the trainer); the worker moves on. Errors that are
+  not the item's fault (server unreachable, wrong token, server disk full) propagate and end the worker, and
+  so do failures of every item in a row (a broken worker must not quarantine the whole dataset)."""
+  import param_server
+  if isinstance(exc, (ConnectionError, PermissionError, param_server.StorageError, param_server.QueueFullError)):
+    raise exc
+  failures.append(gid)
+  if len(failures) > FLAGS.max_failures_in_a_row:
+    raise RuntimeError(f"{len(failures)} items failed in a row (last {gid!r}): the worker itself is broken") from exc
+  reason = f"{type(exc).__name__}: {exc}"[:1000]
+  logging.warning("prompt %s failed on this worker (%s); reported to the server", gid, reason)
+  client.fail("prompts", [gid], reason)
 
 
 def run_worker():
@@ -302,22 +345,44 @@ def run_worker():
   token = open(FLAGS.token_file).read().strip() if FLAGS.token_file else None
   client = _client(token)
   tok = data.load_tokenizer(FLAGS.tokenizer)
-  pool = data.VerifierPool(FLAGS.verifier_workers, timeout_s=FLAGS.verifier_timeout_s)
+  pool = data.VerifierPool(FLAGS.verifier_workers, timeout_s=FLAGS.verifier_timeout_s, strict_math=FLAGS.math_strict)
 
   # Wait for the first published weights; the trainer publishes version >= 0 at startup.
   logging.info("worker %s waiting for weights", wid)
-  got = None
-  while got is None and not stop.requested:
-    got = client.pull(newer_than=-1, wait_s=5.0)
-  if got is None:
+  manifest = None
+  while manifest is None and not stop.requested:
+    manifest = client.manifest(newer_than=-1, wait_s=5.0)
+  if manifest is None:
     return
-  version, flat = got
-  cfg = model.Config.from_hf_dict(json.loads(flat.pop("__config__").tobytes().decode()))
-  s = json.loads(flat.pop("__sampling__").tobytes().decode())
+  cfg = model.Config.from_hf_dict(manifest["config"])
+  s = manifest["sampling"]
   sc = SamplingConfig(s["temperature"], s["top_k"], s["top_p"], s["max_new_tokens"], tuple(sorted(tok.stop_ids)))
-  logging.info("worker %s: v%d, sampling %s", wid, version, sc)
-  params = jax.tree.map(jnp.asarray, param_server.unflatten(flat))
-  engine = Engine(cfg, sc, FLAGS.slots, FLAGS.max_prompt_len, FLAGS.chunk_steps, FLAGS.attn_impl)
+  mesh = model.make_mesh(1, 1, FLAGS.tensor_parallel, devices=jax.local_devices())
+  jax.set_mesh(mesh)
+  shardings, shard_clients = model.param_shardings(cfg, mesh), {}
+
+  def pull(m):
+    """The manifest's weights, only the slices this worker's devices hold (shards.pull); None if they were
+    garbage-collected meanwhile (a newer version exists: the next poll gets it) or a shard server is down (the
+    trainer re-publishes to its replacement)."""
+    try:
+      return shards.pull(m, shardings, shard_clients)[0]
+    except (ValueError, ConnectionError) as e:
+      logging.warning("worker %s: pull of v%d failed (%s); retrying with the next manifest", wid, m["version"], e)
+      return None
+
+  params = None
+  while params is None and not stop.requested:
+    params = pull(manifest)
+    if params is None:
+      manifest = client.manifest(newer_than=-1, wait_s=1.0) or manifest
+  if params is None:
+    return
+  version = manifest["version"]
+  logging.info("worker %s: v%d, sampling %s, mesh %s", wid, version, sc, dict(mesh.shape))
+  # The KV cache is sized from the data: the trainer sends its longest kept prompt with the sampling settings.
+  engine = Engine(cfg, sc, FLAGS.slots, int(s.get("max_prompt_len") or FLAGS.max_prompt_len), FLAGS.chunk_steps,
+                  FLAGS.attn_impl)
   engine.reset(jax.tree.leaves(params)[0].dtype)
   free = list(range(FLAGS.slots))
   group_size = 1  # learnt from the first prompt item
@@ -325,11 +390,20 @@ def run_worker():
   n_sent, t_start, tokens_out = 0, time.time(), 0
   drain_deadline = None
 
+  failed = []  # ids of the items that failed since the last success (reset by a success)
+
   def start(item):
     G = int(item["group_size"])
     slots = [free.pop(0) for _ in range(G)]
     keys = jax.vmap(lambda j, k=prompt_key(FLAGS.seed, item["id"]): jax.random.fold_in(k, j))(jnp.arange(G))
-    engine.insert(params, slots, np.asarray(item["prompt_tokens"], np.int32), keys)
+    try:
+      n = len(item["prompt_tokens"])
+      if n > engine.buckets[-1]:  # the trainer skips such prompts at load; one from elsewhere fails, logged
+        raise ValueError(f"prompt {item.get('prompt_id')!r} of {n} tokens exceeds max_prompt_len={engine.buckets[-1]}")
+      engine.insert(params, slots, np.asarray(item["prompt_tokens"], np.int32), keys)
+    except Exception as e:  # e.g. a prompt longer than the cache: this item fails (reported), the worker goes on
+      free.extend(slots)
+      return fail_item(client, item["id"], e, failed)
     groups[item["id"]] = dict(item=item, slots=slots, version=version, t0=time.time())
 
   while True:
@@ -339,20 +413,22 @@ def run_worker():
     if drain_deadline is not None and (not groups or time.time() > drain_deadline):
       break
     # New weights between chunks; in-flight groups keep their (older) tag.
-    got = client.pull(newer_than=version)
-    if got is not None:
-      version, flat = got
-      flat.pop("__config__", None)
-      flat.pop("__sampling__", None)
-      params = jax.tree.map(jnp.asarray, param_server.unflatten(flat))
+    m = client.manifest(newer_than=version)
+    new = m and pull(m)
+    if new:
+      version, params = m["version"], new
     # Refill free slots with leased prompts (none while draining).
     if drain_deadline is None and len(free) >= group_size:
       # Lease only what fits now (group_size: the last group's G), so no prompt waits in a busy worker.
       items = client.get("prompts", max_items=len(free) // group_size, wait_s=0.0 if groups else 1.0,
                          lease_s=FLAGS.lease_s)
       for item in items:
-        group_size = int(item["group_size"])
-        if group_size > FLAGS.slots:
+        if not isinstance(item.get("group_size"), int) or item["group_size"] < 1:
+          fail_item(client, item["id"], ValueError(f"group_size={item.get('group_size')!r} is not an int >= 1"),
+                    failed)
+          continue
+        group_size = item["group_size"]
+        if group_size > FLAGS.slots:  # this worker's configuration, not the item: fail loudly
           raise ValueError(f"group_size={group_size} > --slots={FLAGS.slots}")
         if group_size <= len(free):
           start(item)
@@ -373,17 +449,22 @@ def run_worker():
         start(g["item"])  # too stale for the trainer: regenerate with the newest weights
         continue
       it = g["item"]
-      problem = data.Problem(id=it["prompt_id"], prompt=it["prompt"], answer=it["answer"], task=it["task"],
-                             tests=tuple(it["tests"]) if it.get("tests") else None)
-      comps = [toks[i, :n[i]] for i in range(len(g["slots"]))]
-      rewards = pool.score([problem] * len(comps), [tok.decode(c.tolist()) for c in comps])
-      rollout = dict(id=gid, version=int(g["version"]), worker=wid,
-                     prompt_id=it["prompt_id"], prompt=it["prompt"], answer=it["answer"], task=it["task"],
-                     tests=it.get("tests"), prompt_tokens=np.asarray(it["prompt_tokens"], np.int32),
-                     completions=[c.astype(np.int32) for c in comps],
-                     logprobs=[lps[i, :n[i]].astype(np.float32) for i in range(len(comps))],
-                     rewards=np.asarray(rewards, np.float32), gen_s=time.time() - g["t0"])
-      client.put("rollouts", [rollout])
+      try:  # scoring and sending one item: a bad item is reported and skipped, never the end of the worker
+        problem = data.Problem(id=it["prompt_id"], prompt=it["prompt"], answer=it["answer"], task=it["task"],
+                               tests=tuple(it["tests"]) if it.get("tests") else None)
+        comps = [toks[i, :n[i]] for i in range(len(g["slots"]))]
+        rewards = pool.score([problem] * len(comps), [tok.decode(c.tolist()) for c in comps])
+        rollout = dict(id=gid, version=int(g["version"]), worker=wid,
+                       prompt_id=it["prompt_id"], prompt=it["prompt"], answer=it["answer"], task=it["task"],
+                       tests=it.get("tests"), prompt_tokens=np.asarray(it["prompt_tokens"], np.int32),
+                       completions=[c.astype(np.int32) for c in comps],
+                       logprobs=[lps[i, :n[i]].astype(np.float32) for i in range(len(comps))],
+                       rewards=np.asarray(rewards, np.float32), gen_s=time.time() - g["t0"])
+        client.put("rollouts", [rollout])
+      except Exception as e:
+        fail_item(client, gid, e, failed)
+        continue
+      failed.clear()
       # Ack the prompt only after its rollout is safely queued: a crash in between re-issues the prompt, and
       # the server drops the duplicate rollout by id.
       client.ack("prompts", [gid])
@@ -406,8 +487,10 @@ def run_eval():
     problems = data.make_task_problems(FLAGS.eval_task, FLAGS.eval_n, FLAGS.eval_difficulty, seed=1234,
                                        split="eval", ops=FLAGS.eval_ops)
   sc = SamplingConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.max_new_tokens, tuple(sorted(tok.stop_ids)))
-  res = evaluate(cfg, params, tok, problems, n_samples=FLAGS.k, ks=sorted({1, FLAGS.k}), sc=sc,
-                 slots=FLAGS.slots, seed=FLAGS.seed, template=FLAGS.template)
+  chat = data.load_chat_template(FLAGS.tokenizer) if FLAGS.template == "hf" else None
+  with data.VerifierPool(0, strict_math=FLAGS.math_strict) as pool:  # inline: eval scores in this process
+    res = evaluate(cfg, params, tok, problems, n_samples=FLAGS.k, ks=sorted({1, FLAGS.k}), sc=sc,
+                   slots=FLAGS.slots, seed=FLAGS.seed, template=FLAGS.template, pool=pool, chat_template=chat)
   res["checkpoint"] = FLAGS.checkpoint
   print(json.dumps({k: v for k, v in res.items() if k != "examples"}))
   if FLAGS.out:

@@ -5,18 +5,23 @@ Design:
     scored rollout groups (queue "rollouts"), and broadcasts each batch to the other JAX processes, which all
     run the same jitted step over one global (data, fsdp, tensor) mesh (`jax.distributed`, gloo on CPU: the
     same code path as a multi-host TPU slice).
-  * Exactly-once: a rollout is acked on the server only after a checkpoint that records it as consumed has been
-    written.  A trainer killed before that checkpoint gets the rollouts again (leases are released by
-    `requeue` at startup) and, having rolled back, trains them once in the surviving lineage; rollouts already
-    recorded in the checkpoint but not yet acked are skipped by id.
+  * Exactly-once (RolloutLedger): a rollout leased for step s counts as consumed (trained, or skipped as stale /
+    zero-variance and listed in that step's `skipped_ids`) only once step s is in a checkpoint, and is acked on
+    the server only after that checkpoint is committed; SIGTERM mid-collection requeues the partial batch. A
+    trainer killed before that checkpoint gets the rollouts again (leases are released by `requeue` at startup)
+    and, having rolled back, trains them once in the surviving lineage; rollouts already recorded in the
+    checkpoint but not yet acked are skipped by id. The record is bounded (a count + the newest generations).
   * Prompts are issued with deterministic ids ("s<seq>") from a resumable PromptStream whose cursor is in the
     checkpoint, so a restarted trainer re-issues the same ids and the server drops the duplicates.
   * Staleness: a rollout more than --max_staleness versions behind the current weights is not trained on; its
     prompt is re-issued under a new id.  DAPO dynamic sampling drops zero-variance groups and refills.
   * Precision: fp32 master weights in the optimizer; --param_dtype=bfloat16 casts them for the forward and for
     the workers.  Log-probs, softmax and the loss are fp32 (model.py / losses.py).
+  * Weights are published without gathering (shards.publish): each process stages its own shards on its shard
+    server (--shard_servers), process 0 commits the manifest last; workers reshard on pull.
   * Checkpoints (params, optimizer state, step, data cursor, seed, consumed ids, pass-rate table, version) are
-    written to a temp dir and renamed, every --checkpoint_every steps and on SIGTERM.
+    orbax, sharded (each process writes its shards) and asynchronous (Checkpointer), every --checkpoint_every
+    steps and on SIGTERM; they restore onto another mesh / process count. The final HF export gathers one tensor at a time (export_hf).
   * --mode=sft is the supervised warm-start that builds the demo's base policy (an HF checkpoint dir).
 
 Run:
@@ -26,8 +31,10 @@ Run:
 """
 import dataclasses
 import json
+import math
 import os
 import shutil
+import sys
 import time
 
 from absl import app, flags, logging
@@ -40,6 +47,9 @@ def define_flags():
   flags.DEFINE_enum("mode", "rl", ["rl", "sft"], "rl: RL from rollouts; sft: supervised warm-start. Default rl.")
   flags.DEFINE_string("run_dir", "runs/local", "Directory for checkpoints, metrics and the final model. Default runs/local.")
   flags.DEFINE_string("server", "127.0.0.1:5555", "Parameter server host:port. Default 127.0.0.1:5555.")
+  flags.DEFINE_string("shard_servers", "", "Comma-separated host:port of the shard servers; trainer process i "
+                      "stages its shards on entry i % S, the manifest goes to --server; self:PORT = the server on each "
+                      "process's own host (a pod). Default empty: --server alone (S=1).")
   flags.DEFINE_string("token_file", None, "File with the server's shared secret (push needs it). Default none.")
   flags.DEFINE_string("init_checkpoint", None, "HF checkpoint dir of the initial policy (rl mode). Required for rl.")
   flags.DEFINE_string("tokenizer", None, "Tokenizer (.model or dir with tokenizer.json). Required.")
@@ -50,7 +60,13 @@ def define_flags():
                       "none: the task's own (arithmetic +-, countdown +-*).")
   flags.DEFINE_string("train_jsonl", None, "jsonl prompt file (id, prompt, answer[, task, tests]). Default none.")
   flags.DEFINE_integer("train_size", 8000, "Number of built-in training problems generated. Default 8000.")
-  flags.DEFINE_string("template", "plain", "Prompt template (data.render_prompt). Default plain.")
+  flags.DEFINE_string("template", "plain", "Prompt template (data.render_prompt): plain, chatml or hf (the "
+                      "checkpoint's own chat_template from --tokenizer's tokenizer_config.json). Default plain.")
+  flags.DEFINE_string("jsonl_shape", "auto", "Record shape of --train_jsonl (data.load_jsonl): auto, prompt, "
+                      "messages, gsm8k, math. Default auto (detected per line).")
+  flags.DEFINE_integer("max_seq_len", 0, "Longest prompt + completion in tokens; a prompt that cannot fit with "
+                       "--max_new_tokens is skipped at load (logged with file:line). 0 = the checkpoint's "
+                       "max_position_embeddings. Default 0.")
   flags.DEFINE_integer("seed", 0, "Seed for data order and init. Default 0.")
   # RL.
   flags.DEFINE_string("algo", "grpo", "Loss preset from losses.ALGORITHMS (grpo, dr_grpo, dapo, gspo, cispo, ppo, rloo, "
@@ -64,6 +80,11 @@ def define_flags():
   flags.DEFINE_bool("dynamic_sampling", False, "Drop zero-variance groups and refill (DAPO). Default False.")
   flags.DEFINE_integer("max_new_tokens", 8, "Workers' completion budget in tokens, sent with the weights (also DAPO "
                        "overlong shaping). Default 8.")
+  flags.DEFINE_integer("ppo_epochs", 1, "Passes over each batch (PPO epochs); >1 recomputes the proximal log-probs "
+                       "once per batch for the clip. Default 1.")
+  flags.DEFINE_integer("minibatches", 1, "Optimizer updates per epoch (the batch split in this many). Default 1.")
+  flags.DEFINE_float("gae_gamma", 1.0, "GAE discount gamma (ppo only). Default 1.0.")
+  flags.DEFINE_float("gae_lambda", 1.0, "GAE lambda (ppo only). Default 1.0.")
   flags.DEFINE_float("value_coef", 0.5, "Value-loss weight (PPO with GAE only). Default 0.5.")
   flags.DEFINE_float("temperature", 1.0, "Workers' sampling temperature, sent with the weights; the loss scores "
                      "log-probs at it. Default 1.0.")
@@ -80,6 +101,9 @@ def define_flags():
   flags.DEFINE_integer("push_every", 1, "Push weights every N steps. Default 1.")
   flags.DEFINE_integer("checkpoint_every", 10, "Checkpoint (and ack) every N steps. Default 10.")
   flags.DEFINE_integer("keep_checkpoints", 2, "Checkpoints kept on disk. Default 2.")
+  flags.DEFINE_string("checkpoint_dir", "", "Where checkpoints go (a path or gs://bucket/path). Default '' = "
+                      "<run_dir>/ckpt. With several trainer hosts it must be storage they all share (orbax: each "
+                      "process writes its shards into it, process 0 commits).")
   flags.DEFINE_float("get_wait_s", 2.0, "Seconds one rollout lease call may block. Default 2.")
   flags.DEFINE_float("rollout_lease_s", 600.0, "Rollout lease on the server, seconds (must outlast checkpoint_every "
                      "steps). Default 600.")
@@ -99,28 +123,56 @@ def define_flags():
   flags.DEFINE_string("model_config", "d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,ffw_dim=512",
                       "Tiny model shape for SFT from scratch. Default d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,"
                       "ffw_dim=512.")
+  # Bad values fail at flag parsing, before any work starts (issue 15), with the flag and its value named.
+  at_least = lambda n: (lambda v: v >= n)  # noqa: E731
+  positive = lambda v: math.isfinite(v) and v > 0  # noqa: E731
+  for name, ok, rule in (
+      ("steps", at_least(1), ">= 1"), ("prompts_per_step", at_least(1), ">= 1"), ("group_size", at_least(1), ">= 1"),
+      ("prefetch_steps", at_least(1), ">= 1 (0 issues no prompts: the trainer would wait forever)"),
+      ("max_staleness", at_least(0), ">= 0 (a negative bound makes every rollout stale)"),
+      ("max_new_tokens", at_least(1), ">= 1 (workers need a completion budget)"),
+      ("grad_accum", at_least(1), ">= 1"), ("push_every", at_least(1), ">= 1"),
+      ("checkpoint_every", at_least(1), ">= 1"), ("keep_checkpoints", at_least(1), ">= 1"),
+      ("warmup_steps", at_least(0), ">= 0"), ("top_k", at_least(0), ">= 0 (0 = off)"),
+      ("sft_steps", at_least(1), ">= 1"), ("sft_batch", at_least(1), ">= 1"), ("train_size", at_least(1), ">= 1"),
+      ("difficulty", at_least(1), ">= 1"), ("server_retries", at_least(0), ">= 0"),
+      ("temperature", positive, "finite and > 0"), ("lr", positive, "finite and > 0"),
+      ("sft_lr", positive, "finite and > 0"), ("get_wait_s", positive, "finite and > 0"),
+      ("rollout_lease_s", positive, "finite and > 0"), ("grad_clip", positive, "finite and > 0"),
+      ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+      ("weight_decay", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
+      ("value_coef", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0")):
+    flags.register_validator(name, ok, message=f"--{name} must be {rule}")
+  flags.register_multi_flags_validator(
+      ["group_size", "dynamic_sampling"], lambda f: f["group_size"] >= 2 or not f["dynamic_sampling"],
+      message="--dynamic_sampling needs --group_size >= 2 (a group of 1 always has zero variance: every group "
+              "would be dropped and the trainer would wait forever)")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-import safetensors.numpy  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import data  # noqa: E402
 import losses  # noqa: E402
 import model  # noqa: E402
+import shards  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Optimizer, step
 
 
-def make_optimizer(lr, warmup, total, weight_decay, grad_clip):
+def lr_schedule_fn(lr, warmup, total):
   # Warmup starts at lr/(warmup+1), not 0: the first step must already move the weights.
-  sched = optax.warmup_cosine_decay_schedule(lr / (warmup + 1), lr, max(warmup, 1), max(total, warmup + 1),
-                                             end_value=lr * 0.1)
+  return optax.warmup_cosine_decay_schedule(lr / (warmup + 1), lr, max(warmup, 1), max(total, warmup + 1),
+                                            end_value=lr * 0.1)
+
+
+def make_optimizer(lr, warmup, total, weight_decay, grad_clip):
+  sched = lr_schedule_fn(lr, warmup, total)
   return optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(sched, b1=0.9, b2=0.95,
                                                                         weight_decay=weight_decay))
 
@@ -132,12 +184,23 @@ def _microbatches(batch, n):
   return jax.tree.map(lambda x: x.reshape(n, b // n, *x.shape[1:]), batch)
 
 
-def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dtype, attn_impl, value_coef):
-  """trainable = {"policy": params, "value": value head or None}. Returns (loss, metrics)."""
+def policy_logp(trainable, batch, *, cfg, temperature, compute_dtype, attn_impl):
+  """The trainer's log-probs of batch["targets"] and the final hidden state: the one forward rl_loss differentiates
+  and make_train_step calls once (no gradient) for the proximal policy of PPO epochs."""
   p = jax.tree.map(lambda x: x.astype(compute_dtype), trainable["policy"])
-  tok, pos, seg, mask = batch["tokens"], batch["positions"], batch["segment_ids"], batch["loss_mask"]
-  h = model.forward_hidden(p, cfg, tok, pos, seg, attn_impl=attn_impl)
+  h = model.forward_hidden(p, cfg, batch["tokens"], batch["positions"], batch["segment_ids"], attn_impl=attn_impl)
   logp, ent = losses.token_logprobs_and_entropy(model.logits_from_hidden(p, cfg, h), batch["targets"], temperature)
+  return logp, ent, h
+
+
+def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dtype, attn_impl, value_coef,
+            gae_gamma=1.0, gae_lambda=1.0):
+  """trainable = {"policy": params, "value": value head or None}. Returns (loss, metrics).
+  batch["prox_logp"], when present (PPO epochs/minibatches, make_train_step), is the proximal policy of the clip:
+  ratio pi_theta / pi_prox, and TIS (if tis_cap) weighs pi_prox / mu with mu = batch["behaviour_logp"]."""
+  tok, pos, seg, mask = batch["tokens"], batch["positions"], batch["segment_ids"], batch["loss_mask"]
+  logp, ent, h = policy_logp(trainable, batch, cfg=cfg, temperature=temperature, compute_dtype=compute_dtype,
+                             attn_impl=attn_impl)
   ref_logp = None
   if ref_params is not None:
     ref_logits = model.forward(ref_params, cfg, tok, pos, seg, attn_impl=attn_impl)
@@ -148,11 +211,14 @@ def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dty
     # the outcome reward sits on the last completion position (batch["token_rewards"]).
     vh = trainable["value"]
     values = jnp.einsum("btd,d->bt", h.astype(jnp.float32), vh["w"]) + vh["b"]
-    adv, returns = losses.gae(batch["token_rewards"], jax.lax.stop_gradient(values), mask)
+    adv, returns = losses.gae(batch["token_rewards"], jax.lax.stop_gradient(values), mask, gae_gamma, gae_lambda)
     extra["value_loss"] = losses.value_loss(values, returns, mask)
   # Truncated IS needs a proximal policy: with one update per batch that is the current policy (ratio 1 inside
   # the clip), so the correction is the IS weight min(pi / mu, cap) on the behaviour samples.
-  prox = jax.lax.stop_gradient(logp) if lcfg.tis_cap is not None else None
+  if "prox_logp" in batch:
+    prox = batch["prox_logp"]
+  else:
+    prox = jax.lax.stop_gradient(logp) if lcfg.tis_cap is not None else None
   loss, m = losses.policy_loss(lcfg, logp, batch["behaviour_logp"], adv, mask, ref_logp=ref_logp,
                                prox_logp=prox, entropy=ent)
   if extra:
@@ -168,7 +234,37 @@ def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dty
   return loss, m
 
 
-def make_train_step(optimizer, loss_fn, grad_accum):
+def make_train_step(optimizer, loss_fn, grad_accum, *, epochs=1, minibatches=1, prox_fn=None):
+  """One trainer step on a batch. epochs x minibatches optimizer updates (PPO epochs, as verl/OpenRLHF/TRL);
+  with more than one update, prox_fn(params, batch) -> [B,T] log-probs is called once before the first update
+  (fresh forward, no gradient) and passed as batch["prox_logp"], the fixed proximal policy of the clip, while the
+  worker's behaviour log-probs stay in the batch for TIS (decoupled PPO / AReaL). With 1 x 1 the update is the
+  plain one (ratio pi_theta / mu). The updates are unrolled (epochs * minibatches copies in the compiled step,
+  each a grad_accum scan); metrics are the mean over updates; clip_frac/ratio_min/ratio_max_last are the last update's."""
+  if epochs < 1 or minibatches < 1:
+    raise ValueError(f"make_train_step: epochs={epochs} and minibatches={minibatches} must be >= 1")
+  update = _make_update(optimizer, loss_fn, grad_accum)
+  if epochs == 1 and minibatches == 1:
+    return update
+  if prox_fn is None:
+    raise ValueError("make_train_step: several updates per batch need prox_fn (the proximal log-probs)")
+
+  def step(params, opt_state, ref_params, batch):
+    batch = dict(batch, prox_logp=jax.lax.stop_gradient(prox_fn(params, batch)))
+    mbs = _microbatches(batch, minibatches)
+    ms = []
+    for _ in range(epochs):
+      for i in range(minibatches):
+        params, opt_state, m = update(params, opt_state, ref_params, jax.tree.map(lambda x: x[i], mbs))
+        ms.append(m)
+    m = jax.tree.map(lambda *xs: sum(xs) / len(xs), *ms)
+    for k in ("clip_frac", "ratio_min", "ratio_max"):  # the last update's, where the clip acts most
+      m[k + "_last"] = ms[-1][k]
+    return params, opt_state, m
+  return step
+
+
+def _make_update(optimizer, loss_fn, grad_accum):
   def step(params, opt_state, ref_params, batch):
     def micro(acc, mb):
       (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params, mb)
@@ -188,45 +284,96 @@ def make_train_step(optimizer, loss_fn, grad_accum):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Checkpoints: <run_dir>/ckpt/<step>/{params,opt}.safetensors + state.json, written to a temp dir then renamed.
+# Checkpoints: orbax, sharded and asynchronous. <run_dir>/ckpt/<step>/{params,opt,state}; orbax writes the
+# step's commit marker last, so a checkpoint is either complete or ignored.
 
 
-def _flat_leaves(tree):
-  return {f"{i:05d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(tree))}
+class Checkpointer:
+  """Sharded, asynchronous, elastic checkpoints (orbax-checkpoint, as MaxText and Tunix use).
+
+  Each process writes only its own shards of params and optimizer state (OCDBT/tensorstore); save() returns
+  once the shards are copied to host and training goes on while they are written; a step directory becomes
+  a checkpoint only when orbax has committed it (written last, after every process finished). restore()
+  reads onto whatever mesh / process count the `like` arrays have (written by 4 processes fsdp=4, resumed by
+  2 or 1). The run state (step, cursor, pass rates, consumed ids, version) is a JSON item of the same step.
+  Why orbax: it is the JAX ecosystem's multi-host checkpointer; a hand-rolled per-process writer would have to
+  redo its resharding reads and its cross-process commit protocol.
+  """
+
+  def __init__(self, ckpt_dir, keep):
+    import orbax.checkpoint as ocp
+    self.ocp = ocp
+    path = ckpt_dir if "://" in ckpt_dir else os.path.abspath(ckpt_dir)  # gs://... goes to orbax as is
+    self.mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
+        max_to_keep=keep, enable_async_checkpointing=True, create=True))
+
+  def save(self, step, params, opt_state, state):
+    """Starts writing step (collective); returns False if that step is already saved."""
+    if self.mngr.latest_step() == step:
+      return False
+    a = self.ocp.args
+    self.mngr.save(step, args=a.Composite(params=a.StandardSave(params), opt=a.StandardSave(opt_state),
+                                          state=a.JsonSave(state)))
+    return True
+
+  def wait(self):
+    """Blocks until the last save is committed."""
+    self.mngr.wait_until_finished()
+
+  def restore(self, params_like, opt_like):
+    """(params, opt_state, state) of the newest committed step placed like params_like/opt_like, or None."""
+    step = self.mngr.latest_step()
+    if step is None:
+      return None
+    a = self.ocp.args
+    abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)  # noqa: E731
+    r = self.mngr.restore(step, args=a.Composite(params=a.StandardRestore(abstract(params_like)),
+                                                 opt=a.StandardRestore(abstract(opt_like)), state=a.JsonRestore()))
+    return r["params"], r["opt"], r["state"]
+
+  def close(self):
+    self.mngr.close()
 
 
-def save_checkpoint(ckpt_dir, step, params, opt_state, state, keep):
-  final = os.path.join(ckpt_dir, f"{step:08d}")
-  tmp = final + f".tmp{os.getpid()}"
-  os.makedirs(tmp, exist_ok=True)
-  safetensors.numpy.save_file(_flat_leaves(params), os.path.join(tmp, "params.safetensors"))
-  safetensors.numpy.save_file(_flat_leaves(opt_state), os.path.join(tmp, "opt.safetensors"))
-  with open(os.path.join(tmp, "state.json"), "w") as f:
-    json.dump(state, f)
-    f.flush()
-    os.fsync(f.fileno())
-  if os.path.exists(final):
-    shutil.rmtree(final)
-  os.rename(tmp, final)  # atomic: a checkpoint dir without ".tmp" is always complete
-  for old in sorted(d for d in os.listdir(ckpt_dir) if d.isdigit())[:-keep]:
-    shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
+def read_state(ckpt_dir):
+  """The run state of the newest committed checkpoint (no arrays read), or None."""
+  c = Checkpointer(ckpt_dir, keep=1 << 30)
+  try:
+    step = c.mngr.latest_step()
+    return None if step is None else c.mngr.restore(step, args=c.ocp.args.Composite(
+        state=c.ocp.args.JsonRestore()))["state"]
+  finally:
+    c.close()
 
 
-def latest_checkpoint(ckpt_dir):
-  steps = sorted(d for d in os.listdir(ckpt_dir) if d.isdigit()) if os.path.isdir(ckpt_dir) else []
-  return os.path.join(ckpt_dir, steps[-1]) if steps else None
+def export_hf(out, cfg, params, dtype=None, tokenizer_src=None):
+  """HF safetensors from (possibly cross-process sharded) params, gathering one tensor at a time; process 0
+  writes. Collective: every process calls it. Written to out.tmp and renamed (complete or absent). With
+  tokenizer_src, the tokenizer files and a generation_config.json go beside it, so transformers'
+  AutoTokenizer/AutoModelForCausalLM.from_pretrained(out) load the export as is."""
+  lead = jax.process_index() == 0
+  flat = shards.flat_leaves(params)
 
+  def get_leaf(key):
+    x = flat["/".join(key)]
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True) if jax.process_count() > 1 else x)
 
-def load_checkpoint(path, params_like, opt_like):
-  def fill(tree, file):
-    flat = safetensors.numpy.load_file(file)
-    leaves, treedef = jax.tree.flatten(tree)
-    if len(flat) != len(leaves):
-      raise ValueError(f"{file}: {len(flat)} tensors, expected {len(leaves)} (model or optimizer changed?)")
-    return jax.tree.unflatten(treedef, [flat[f"{i:05d}"].astype(np.asarray(x).dtype) for i, x in enumerate(leaves)])
-  with open(os.path.join(path, "state.json")) as f:
-    state = json.load(f)
-  return fill(params_like, os.path.join(path, "params.safetensors")), fill(opt_like, os.path.join(path, "opt.safetensors")), state
+  model.save_hf_checkpoint_streamed(out + ".tmp", cfg, get_leaf, dtype or params["embed"].dtype, write=lead)
+  if lead and tokenizer_src:
+    src = tokenizer_src if os.path.isdir(tokenizer_src) else os.path.dirname(os.path.abspath(tokenizer_src))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                 "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt"):
+      if os.path.exists(os.path.join(src, name)):
+        shutil.copy(os.path.join(src, name), os.path.join(out + ".tmp", name))
+    gen = os.path.join(out + ".tmp", "generation_config.json")
+    if not os.path.exists(gen):
+      with open(gen, "w") as f:
+        json.dump(dict(bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids) or None,
+                       temperature=FLAGS.temperature, top_p=FLAGS.top_p, do_sample=True,
+                       max_new_tokens=FLAGS.max_new_tokens), f, indent=1)
+  if lead:
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(out + ".tmp", out)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -242,6 +389,16 @@ def parse_mesh(spec, n_devices):
   if int(np.prod(dims)) != n_devices:
     raise ValueError(f"--mesh {spec} gives {dims}, which does not use the {n_devices} devices")
   return dims
+
+
+def loss_config(base, overrides, max_new_tokens):
+  """The LossConfig the trainer uses: base + --loss_override; seq_mean_token_sum (Dr. GRPO, RLOO) gets the
+  constant generation budget as its normaliser unless max_tokens is overridden, so the loss scale does not change
+  with each batch's padded bucket length."""
+  lcfg = dataclasses.replace(base, **parse_overrides(overrides, base))
+  if lcfg.agg == "seq_mean_token_sum" and lcfg.max_tokens is None:
+    lcfg = dataclasses.replace(lcfg, max_tokens=int(max_new_tokens))
+  return lcfg
 
 
 def parse_overrides(items, base):
@@ -271,22 +428,45 @@ def to_global(host_tree, sharding):
   return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx]), host_tree)
 
 
-def host_params(params):
-  """Full host copy of (possibly cross-process sharded) params, identical on every process."""
-  if jax.process_count() > 1:
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(params, tiled=True))
-  return jax.tree.map(np.asarray, params)
-
-
 def place_params(params_np, cfg, mesh):
   return model.shard_params(jax.tree.map(jnp.asarray, params_np), cfg, mesh)
 
 
 def problems_for_training():
   if FLAGS.train_jsonl:
-    return data.load_jsonl(FLAGS.train_jsonl)
+    return data.load_jsonl(FLAGS.train_jsonl, FLAGS.jsonl_shape)
   return data.make_task_problems(FLAGS.task, FLAGS.train_size, FLAGS.difficulty, seed=FLAGS.seed, split="train",
                                  ops=FLAGS.ops)
+
+
+def prompt_encoder(tok):
+  """problem -> prompt token ids with --template applied (one place, used for length checks and prompt items)."""
+  chat = data.load_chat_template(FLAGS.tokenizer) if FLAGS.template == "hf" else None
+  return lambda p: tok.encode(data.render_prompt(p, FLAGS.template, chat_template=chat), add_bos=True)
+
+
+def seq_budget(cfg):
+  """Longest prompt + completion the run allows: --max_seq_len, capped by the checkpoint's positions."""
+  return min(FLAGS.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+
+def buckets_for(max_len):
+  """Padded batch lengths: the default power-of-two buckets, extended (x2) until max_len fits, so 8k-32k
+  sequences get a bucket (compiled shapes stay few: one per power of two)."""
+  b = list(BUCKETS)
+  while b[-1] < max_len:
+    b.append(b[-1] * 2)
+  return tuple(b)
+
+
+def write_flags_once(run_dir):
+  """The run's flags, saved once (flags.json; a resumed run keeps the first record)."""
+  path = os.path.join(run_dir, "flags.json")
+  if not os.path.exists(path):
+    vals = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
+    with open(path + ".tmp", "w") as f:
+      json.dump(vals, f, indent=1, sort_keys=True, default=str)
+    os.rename(path + ".tmp", path)
 
 
 def rl_batch(groups, lcfg, pad_id, buckets, max_new_tokens):
@@ -357,7 +537,17 @@ def run_sft():
   params = model.shard_params(model.init_params(cfg, jax.random.PRNGKey(FLAGS.seed)), cfg, mesh)
   opt = make_optimizer(FLAGS.sft_lr, FLAGS.warmup_steps, FLAGS.sft_steps, FLAGS.weight_decay, FLAGS.grad_clip)
   opt_state = opt.init(params)
-  stream = data.PromptStream(problems_for_training(), seed=FLAGS.seed)
+  encode = prompt_encoder(tok)
+  # A prompt that cannot fit is refused here (logged with file:line), never handed to a worker.
+  problems, skipped, max_prompt = data.fit_prompts(problems_for_training(), encode, FLAGS.max_new_tokens,
+                                                   seq_budget(cfg))
+  if not problems:
+    raise app.UsageError(f"no training prompt fits: all {len(skipped)} exceed max_seq_len {seq_budget(cfg)} - "
+                         f"max_new_tokens {FLAGS.max_new_tokens}")
+  buckets = buckets_for(max_prompt + FLAGS.max_new_tokens)
+  if lead:
+    write_flags_once(FLAGS.run_dir)
+  stream = data.PromptStream(problems, seed=FLAGS.seed)
   bsh = NamedSharding(mesh, P(("data", "fsdp")))
 
   def loss_fn(params, b):
@@ -386,11 +576,7 @@ def run_sft():
       metrics.write(dict(step=i, sft_loss=loss, seconds=time.time() - t0))
       logging.info("sft step %d loss %.4f (%.0fs)", i, loss, time.time() - t0)
   out = FLAGS.sft_out or os.path.join(FLAGS.run_dir, "base")
-  hp = host_params(params)  # collective: every process takes part
-  if jax.process_index() == 0:
-    model.save_hf_checkpoint(out + ".tmp", cfg, hp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.rename(out + ".tmp", out)
+  export_hf(out, cfg, params)  # collective: every process takes part
   logging.info("sft done: %s", out)
 
 
@@ -401,12 +587,6 @@ PROMPT_FIELDS = ("prompt_id", "prompt", "answer", "task", "tests", "prompt_token
 # Row lengths a batch pads to. 16 first: a built-in arithmetic row (bos, prompt, answer, eos) is <= 12 tokens, and
 # padding it to 16 rather than 32 halves the demo's SFT and RL step time.
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-
-
-def like(host_tree, like_tree):
-  """Place a host pytree with the shardings of an existing (global) pytree."""
-  return jax.tree.map(lambda h, x: jax.make_array_from_callback(x.shape, x.sharding, lambda idx, h=h: h[idx]),
-                      host_tree, like_tree)
 
 
 def broadcast_batch(batch):
@@ -423,6 +603,113 @@ def broadcast_batch(batch):
   return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tmpl))
 
 
+def note_quarantined(client, state, ledger, lease_s):
+  """Prompts the server quarantined (workers reported them failed --max_failures times; notices in the queue
+  "prompts.failed") count as consumed without training, so issue() sends a replacement; each is recorded once
+  in the checkpointed state["quarantined"] (id, reason, failures) and its notice acked once that checkpoint
+  commits. Returns how many were new."""
+  new = 0
+  for it in client.get("prompts.failed", max_items=1000, lease_s=lease_s):
+    if ledger.settle_notice(it["id"], client):
+      state["quarantined"].append(dict(id=it["id"], reason=it["reason"], failures=it["failures"]))
+      logging.warning("prompt %s quarantined by the server after %d failures: %s", it["id"], it["failures"],
+                      it["reason"][:300])
+      new += 1
+  return new
+
+
+class RolloutLedger:
+  """Exactly-once bookkeeping for leased rollouts (process 0 only), bounded for runs of any length.
+
+  Rule: a rollout leased while collecting step s is consumed -- trained, or skipped as stale / zero-variance
+  (the step's metrics list it in `skipped_ids`) -- only once a checkpoint holding step s is *committed*, and
+  only then acked on the server (checkpoints are written asynchronously: acks wait for the commit). A stop
+  (SIGTERM) mid-collection hands the partial batch back (requeue), so another trainer incarnation trains it;
+  after a kill -9 the leases come back by the startup requeue.
+
+  Bounded: a checkpoint records a count plus the ids of its newest `keep` generations (a generation = the ids
+  settled between two checkpoints), not every id ever consumed. That suffices: an id comes back from the server
+  only while it is unacked, and a generation is acked right after the checkpoint recording it commits, so after
+  a crash the only recorded-but-unacked ids are in the newest generations.
+  """
+
+  def __init__(self, keep=3):
+    self.keep, self.count, self.gens, self._recorded = keep, 0, [], set()  # as in the newest checkpoint
+    self.unacked, self.unacked_notices = [], []  # recorded by a checkpoint not yet committed
+    self.settled, self.notices = [], []  # trained / skipped / quarantined in steps done since that checkpoint
+    self.batch = []     # leased for the step being collected
+    self.reissued = 0   # prompts re-issued (stale) for the step being collected
+
+  def __len__(self):  # every prompt this lineage consumed or holds (leased and not handed back)
+    return self.count + len(self.settled) + len(self.notices) + len(self.batch)
+
+  def _held(self, rid):
+    return rid in self._recorded or rid in self.batch or rid in self.settled or rid in self.notices
+
+  def lease(self, rid):
+    """'acked_dup': in a committed checkpoint but not acked before a crash (ack it again); 'dup': leased twice
+    in this incarnation (a lease expired) or in a checkpoint still being committed; 'new': now part of the step
+    being collected."""
+    if rid in self._recorded and rid not in self.unacked:
+      return "acked_dup"
+    if self._held(rid):
+      return "dup"
+    self.batch.append(rid)
+    return "new"
+
+  def settle_notice(self, rid, client):
+    """A quarantine notice for prompt rid: consumed without training, acked after the next checkpoint commits.
+    False if rid is already held (its rollout arrived first, or the notice came back after a crash): then the
+    notice is only acked, at once."""
+    if rid in self.unacked_notices or rid in self.notices:
+      return False
+    if self._held(rid):
+      client.ack("prompts.failed", [rid])
+      return False
+    self.notices.append(rid)
+    return True
+
+  def step_done(self):
+    self.settled += self.batch
+    self.batch, self.reissued = [], 0
+
+  def release(self, client):
+    """A stop mid-collection: the partial batch goes back to the server untrained. Returns the prompts this
+    batch had re-issued (the caller un-counts them: the re-issue repeats, deduplicated by id)."""
+    if self.batch:
+      client.requeue("rollouts", self.batch)
+    n = self.reissued
+    self.batch, self.reissued = [], 0
+    return n
+
+  def state_dict(self):
+    """What the next checkpoint records: everything settled so far."""
+    assert not self.batch, "a checkpoint inside a collection would record untrained rollouts"
+    return dict(count=self.count + len(self.settled) + len(self.notices),
+                gens=(self.gens + [self.settled + self.notices])[-self.keep:])
+
+  def saved(self):
+    """The checkpoint holding state_dict() is being written: its ids wait for the commit to be acked."""
+    self.load_state_dict(self.state_dict())
+    self.unacked += self.settled
+    self.unacked_notices += self.notices
+    self.settled, self.notices = [], []
+
+  def committed(self, client):
+    """That checkpoint is on disk: ack, and its ids are consumed."""
+    if self.unacked:
+      client.ack("rollouts", self.unacked)
+    if self.unacked_notices:
+      client.ack("prompts.failed", self.unacked_notices)
+    self.unacked, self.unacked_notices = [], []
+
+  def load_state_dict(self, d):
+    if not isinstance(d, dict) or not isinstance(d.get("count"), int) or not isinstance(d.get("gens"), list):
+      raise ValueError(f"RolloutLedger.load_state_dict: expected {{count: int, gens: [[ids]]}}, got {str(d)[:80]}")
+    self.count, self.gens = d["count"], [list(g) for g in d["gens"]]
+    self._recorded = {r for g in self.gens for r in g}
+
+
 def run_rl():
   import param_server
   stop = param_server.StopFlag()
@@ -435,9 +722,10 @@ def run_rl():
   jax.set_mesh(mesh)  # activations are constrained by model.py's logical-axis table over this mesh
   cfg, init = model.load_hf_checkpoint(FLAGS.init_checkpoint, dtype=jnp.float32)
   base = losses.ALGORITHMS[FLAGS.algo]
-  lcfg = dataclasses.replace(base, **parse_overrides(FLAGS.loss_override, base))
+  lcfg = loss_config(base, FLAGS.loss_override, FLAGS.max_new_tokens)
   compute_dtype = jnp.dtype(FLAGS.param_dtype)
   optimizer = make_optimizer(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps, FLAGS.weight_decay, FLAGS.grad_clip)
+  lr_schedule = lr_schedule_fn(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps)  # for the metrics log
   policy = place_params(init, cfg, mesh)  # fp32 master weights
   # PPO's value head (only when the advantage estimator is GAE): a linear map of the final hidden state.
   value = (dict(w=jnp.zeros((cfg.d_model,), jnp.float32), b=jnp.zeros((), jnp.float32))
@@ -449,61 +737,82 @@ def run_rl():
   # same dtype would alias the donated params buffers.
   ref_params = (jax.tree.map(lambda x: jnp.array(x, compute_dtype, copy=True), policy)
                 if lcfg.kl_coef > 0 else None)
-  stream = data.PromptStream(problems_for_training(), seed=FLAGS.seed)
+  encode = prompt_encoder(tok)
+  # A prompt that cannot fit is refused here (logged with file:line), never handed to a worker.
+  problems, skipped, max_prompt = data.fit_prompts(problems_for_training(), encode, FLAGS.max_new_tokens,
+                                                   seq_budget(cfg))
+  if not problems:
+    raise app.UsageError(f"no training prompt fits: all {len(skipped)} exceed max_seq_len {seq_budget(cfg)} - "
+                         f"max_new_tokens {FLAGS.max_new_tokens}")
+  buckets = buckets_for(max_prompt + FLAGS.max_new_tokens)
+  if lead:
+    write_flags_once(FLAGS.run_dir)
+  stream = data.PromptStream(problems, seed=FLAGS.seed)
   tracker = data.PassRateTracker()
   # The trainer draws no random numbers of its own: data order is the stream's state (saved below) and sampling
   # keys derive from prompt ids on the workers, so the seed is the whole RNG state.
-  state = dict(step=0, version=-1, seq=0, issued=0, consumed=[], seed=FLAGS.seed)
-  ckpt_dir = os.path.join(FLAGS.run_dir, "ckpt")
-  path = latest_checkpoint(ckpt_dir)
-  if path:
-    p_np, o_np, state = load_checkpoint(path, params, opt_state)
-    params, opt_state = like(p_np, params), like(o_np, opt_state)
-    stream.load_state_dict(state["stream"])
-    tracker.load_state_dict(state["pass_rates"])
-    logging.info("resumed from %s at step %d", path, state["step"])
-  consumed = set(state["consumed"])
+  state = dict(step=0, version=-1, seq=0, issued=0, seed=FLAGS.seed)
+  ledger = RolloutLedger()
+  ckpt = Checkpointer(FLAGS.checkpoint_dir or os.path.join(FLAGS.run_dir, "ckpt"), FLAGS.keep_checkpoints)
+  got = ckpt.restore(params, opt_state)  # onto this run's mesh, whatever mesh wrote it
+  if got:
+    params, opt_state, state = got
+    stream.load_state_dict(state.pop("stream"))
+    tracker.load_state_dict(state.pop("pass_rates"))
+    ledger.load_state_dict(state.pop("consumed"))
+    logging.info("resumed at step %d", state["step"])
   loss_fn = lambda p, r, b: rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=FLAGS.temperature,  # noqa: E731
                                     compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl,
-                                    value_coef=FLAGS.value_coef)
+                                    value_coef=FLAGS.value_coef, gae_gamma=FLAGS.gae_gamma,
+                                    gae_lambda=FLAGS.gae_lambda)
+  prox_fn = lambda p, b: policy_logp(p, b, cfg=cfg, temperature=FLAGS.temperature,  # noqa: E731
+                                     compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl)[0]
   # Pin the outputs to the inputs' shardings: XLA would otherwise leave updated params/moments replicated.
   shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
-  train_step = jax.jit(make_train_step(optimizer, loss_fn, FLAGS.grad_accum), donate_argnums=(0, 1),
+  train_step = jax.jit(make_train_step(optimizer, loss_fn, FLAGS.grad_accum, epochs=FLAGS.ppo_epochs,
+                                       minibatches=FLAGS.minibatches, prox_fn=prox_fn), donate_argnums=(0, 1),
                        out_shardings=(*shardings, None))
   bsh = NamedSharding(mesh, P(("data", "fsdp")))
   metrics = Metrics(os.path.join(FLAGS.run_dir, "metrics.jsonl"))
 
-  client = None
+  token = open(FLAGS.token_file).read().strip() if FLAGS.token_file else None
+  # Shard servers: entry 0 holds the manifest (--server); every process stages on entry process_index % S.
+  if FLAGS.shard_servers.startswith("self:"):  # a pod: one server per trainer host, on this port
+    addrs = shards.own_server_addresses(FLAGS.server, int(FLAGS.shard_servers[5:]))
+  else:
+    addrs = [FLAGS.server] + [a for a in FLAGS.shard_servers.split(",") if a and a != FLAGS.server]
+  shard_clients = [shards.connect(a, token, FLAGS.server_retries) for a in addrs]
+  client = shard_clients[0] if lead else None
   if lead:
-    host, port = FLAGS.server.rsplit(":", 1)
-    token = open(FLAGS.token_file).read().strip() if FLAGS.token_file else None
-    client = param_server.Client(host, int(port), token=token, retries=FLAGS.server_retries)
     client.requeue("rollouts")  # leases held by a previous incarnation of this trainer come back now
 
   def publish():
+    """Every process stages its own shards (no gather); process 0 commits the manifest (shards.publish)."""
     nonlocal push_s
     t = time.time()
-    hp = host_params(jax.tree.map(lambda x: x.astype(compute_dtype), params["policy"]))  # collective
-    if lead:
-      state["version"] = max(state["version"], client.latest_version()) + 1
-      flat = param_server.flatten(hp)
-      flat["__config__"] = np.frombuffer(json.dumps(cfg.to_hf_dict()).encode(), np.uint8)
-      flat["__sampling__"] = np.frombuffer(json.dumps(sampling).encode(), np.uint8)
-      client.push(state["version"], flat)
+    want = max(state["version"], client.latest_version()) + 1 if lead else 0
+    state["version"], _ = shards.publish(shard_clients, want,
+                                         jax.tree.map(lambda x: x.astype(compute_dtype), params["policy"]),
+                                         dict(config=cfg.to_hf_dict(), sampling=sampling))
     push_s = time.time() - t
 
-  def checkpoint():
-    hp, ho = host_params(params), host_params(opt_state)
+  def checkpoint(final=False):
+    """Waits for the previous checkpoint's commit and acks what it recorded, then starts writing this step's
+    (each process its own shards, asynchronously); final=True also waits for this one and acks it."""
+    ckpt.wait()
     if lead:
-      st = dict(state, stream=stream.state_dict(), pass_rates=tracker.state_dict())
-      save_checkpoint(ckpt_dir, state["step"], hp, ho, st, FLAGS.keep_checkpoints)
-      if to_ack:  # only now are these rollouts durably consumed
-        client.ack("rollouts", list(to_ack))
-      to_ack.clear()
+      ledger.committed(client)  # only now are these rollouts durably consumed
+    st = dict(state, stream=stream.state_dict(), pass_rates=tracker.state_dict(), consumed=ledger.state_dict())
+    if ckpt.save(state["step"], params, opt_state, st):
+      ledger.saved()
+    if final:
+      ckpt.wait()
+      if lead:
+        ledger.committed(client)
 
   def issue(target):
     items = []
-    while state["issued"] - len(consumed) < target:
+    while state["issued"] - len(ledger) < target:
       p = stream.next()
       items.append(prompt_item(f"s{state['seq']}", p))
       state["seq"] += 1
@@ -514,53 +823,63 @@ def run_rl():
   def prompt_item(pid, p):
     return dict(id=pid, prompt_id=p.id, prompt=p.prompt, answer=p.answer, task=p.task,
                 tests=list(p.tests) if p.tests else None, group_size=FLAGS.group_size,
-                prompt_tokens=np.asarray(tok.encode(data.render_prompt(p, FLAGS.template), add_bos=True), np.int32))
+                prompt_tokens=np.asarray(encode(p), np.int32))
 
-  to_ack, push_s = [], 0.0
+  push_s = 0.0
+  state.setdefault("quarantined", [])
   # The workers' sampling settings travel with the weights: one source of truth for what the loss scores.
+  # max_prompt_len: the longest kept prompt, so the workers size their KV cache from the data.
   sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-                  max_new_tokens=FLAGS.max_new_tokens)
+                  max_new_tokens=FLAGS.max_new_tokens, max_prompt_len=max_prompt)
   publish()
   bar = None
   if lead:
     from tqdm import tqdm
-    bar = tqdm(total=FLAGS.steps, initial=state["step"], desc=f"{FLAGS.algo}", dynamic_ncols=True)
+    bar = tqdm(total=FLAGS.steps, initial=state["step"], desc=f"{FLAGS.algo}", dynamic_ncols=True,
+               mininterval=1.0, miniters=1)
   P_ = FLAGS.prompts_per_step
   while state["step"] < FLAGS.steps:
     t0 = time.time()
-    groups, n_stale, n_dropped, n_dup = [], 0, 0, 0
+    groups, skipped, rated, n_stale, n_dropped, n_dup = [], [], [], 0, 0, 0
     if lead:
       while len(groups) < P_ and not stop.requested:
+        note_quarantined(client, state, ledger, FLAGS.rollout_lease_s)
         issue(P_ * FLAGS.prefetch_steps)
         for it in client.get("rollouts", max_items=P_ - len(groups), wait_s=FLAGS.get_wait_s,
                              lease_s=FLAGS.rollout_lease_s):
           rid = it["id"]
-          if rid in consumed:  # recorded by a checkpoint but not acked before a crash
-            client.ack("rollouts", [rid])
+          seen = ledger.lease(rid)
+          if seen != "new":
+            if seen == "acked_dup":  # recorded by a checkpoint but not acked before a crash
+              client.ack("rollouts", [rid])
             n_dup += 1
             continue
-          consumed.add(rid)
-          state["consumed"].append(rid)
-          to_ack.append(rid)
           if state["version"] - int(it["version"]) > FLAGS.max_staleness:
             n_stale += 1  # too old to train on: re-issue the prompt under a fresh id
             client.put("prompts", [dict({k: it[k] for k in PROMPT_FIELDS}, id=rid + "r",
                                         group_size=FLAGS.group_size)])
             state["issued"] += 1
+            ledger.reissued += 1
+            skipped.append(rid)
             continue
-          tracker.update(it["prompt_id"], np.asarray(it["rewards"]))
-          if FLAGS.dynamic_sampling and np.std(it["rewards"]) == 0:
+          rated.append((it["prompt_id"], np.asarray(it["rewards"])))  # counted once the step is done
+          if FLAGS.dynamic_sampling and not data.group_has_signal(it["rewards"]):
             n_dropped += 1
+            skipped.append(rid)
             continue
           groups.append(it)
     stop_now = bool(multihost_utils.broadcast_one_to_all(np.int32(stop.requested))) \
         if jax.process_count() > 1 else stop.requested
     if stop_now:
+      if lead:  # the partial batch was never trained: back to the server, not into the checkpoint
+        n = len(ledger.batch)
+        state["issued"] -= ledger.release(client)
+        logging.info("stop requested mid-collection: %d leased rollouts handed back untrained", n)
       break
     wait_s = time.time() - t0
     trained_version = state["version"]  # the weights these groups are measured against (before this push)
     if lead:
-      batch, rewards, lengths = rl_batch(groups, lcfg, tok.pad_id, BUCKETS, FLAGS.max_new_tokens)
+      batch, rewards, lengths = rl_batch(groups, lcfg, tok.pad_id, buckets, FLAGS.max_new_tokens)
     else:
       batch, rewards, lengths = None, None, None
     batch = broadcast_batch(batch)
@@ -569,8 +888,13 @@ def run_rl():
     m = {k: float(v) for k, v in m.items()}  # host sync: the step is done
     step_s = time.time() - t1
     state["step"] += 1
+    if lead:
+      ledger.step_done()
+      for pid, r in rated:  # not before: a partial batch handed back on SIGTERM must not count twice
+        tracker.update(pid, r)
     # A restarted server may have lost our newest version (it persists weights in the background): re-publish.
-    lost = lead and client.latest_version() < state["version"]
+    lost = lead and (client.latest_version() < state["version"] or
+                     any(state["version"] not in c.staged()["versions"] for c in shard_clients))
     if jax.process_count() > 1:
       lost = bool(multihost_utils.broadcast_one_to_all(np.int32(lost)))
     if state["step"] % FLAGS.push_every == 0 or state["step"] == FLAGS.steps or lost:
@@ -579,23 +903,25 @@ def run_rl():
       checkpoint()
     if lead:
       lag = trained_version - np.asarray([int(g["version"]) for g in groups])
-      rec = dict(step=state["step"], reward=float(rewards.mean()), pass_rate=float((rewards > 0.5).mean()),
+      rec = dict(step=state["step"], time=time.time(), lr=float(lr_schedule(state["step"] - 1)),
+                 reward=float(rewards.mean()), reward_std=float(rewards.std()),
+                 truncated_frac=float((lengths >= FLAGS.max_new_tokens).mean()),
+                 pass_rate=float((rewards > 0.5).mean()),
                  completion_len=float(lengths.mean()), staleness_mean=float(lag.mean()),
                  staleness_max=int(lag.max()), stale_dropped=n_stale,
-                 zero_var_dropped=n_dropped, duplicates_skipped=n_dup, wait_s=wait_s, step_s=step_s,
+                 zero_var_dropped=n_dropped, duplicates_skipped=n_dup, quarantined=len(state["quarantined"]),
+                 wait_s=wait_s, step_s=step_s,
                  push_s=push_s, tokens_per_s=float(batch["loss_mask"].sum()) / max(step_s, 1e-9),
-                 version=state["version"], rollout_ids=[g["id"] for g in groups], **m)
+                 version=state["version"], rollout_ids=[g["id"] for g in groups], skipped_ids=skipped, **m)
       metrics.write(rec)
       bar.update(1)
       bar.set_postfix(reward=f"{rec['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", ent=f"{m.get('entropy', 0):.3f}")
-  checkpoint()
+  checkpoint(final=True)
+  ckpt.close()
   if state["step"] >= FLAGS.steps:
-    hp = host_params(params["policy"])
+    out = os.path.join(FLAGS.run_dir, "final")
+    export_hf(out, cfg, params["policy"], tokenizer_src=FLAGS.tokenizer)
     if lead:
-      out = os.path.join(FLAGS.run_dir, "final")
-      model.save_hf_checkpoint(out + ".tmp", cfg, hp)
-      shutil.rmtree(out, ignore_errors=True)
-      os.rename(out + ".tmp", out)
       with open(os.path.join(FLAGS.run_dir, "DONE"), "w") as f:
         f.write(str(state["step"]))
       logging.info("training done at step %d: %s", state["step"], out)

@@ -2,8 +2,10 @@
 code), verifier pool, curation, batching. Run: python -m pytest -q tests/test_data.py"""
 import json
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -248,7 +250,8 @@ def test_math_verifier():
   p = Problem("m", "?", "\\boxed{\\frac{1}{2}}", "math")
   assert data.verify(p, "First \\boxed{2}. Wait, actually \\boxed{0.5}") == 1.0  # the last box wins
   assert data.verify(p, "First \\boxed{0.5}. Wait, actually \\boxed{2}") == 0.0
-  assert data.verify(Problem("m", "?", "1234", "math"), "Total: 1,234") == 1.0
+  assert data.verify(Problem("m", "?", "1234", "math"), "Total: 1,234", strict_math=False) == 1.0
+  assert data.verify(Problem("m", "?", "1234", "math"), "Total: 1,234") == 0.0  # strict: only \boxed{} counts
 
 
 # -------------------------------------------------------------------------------------------- code sandbox
@@ -338,6 +341,65 @@ def test_code_cannot_read_outside_tmp(tmp_path):
   assert r.passed, r
   assert run("import os\nopen('a', 'w').close()\nos.close(os.open('a', os.O_RDONLY))\nprint('ok')").passed
   assert not os.path.exists(prefix_file)
+
+
+# Every known way a candidate could read its spec, forge a pass or write outside its temp dir (issue 15). Each
+# program prints "ok"/passes only if the trick worked, so the sandbox must score every one of them 0.
+def _tricks(outside, site_dir):
+  import _ctypes
+  so = _ctypes.__file__
+  return {
+      # Re-read the spec from fd 0 (it used to be a seekable file) and write the nonce to the result fd.
+      "seek_stdin_for_nonce": ("import os, json\nos.lseek(0, 0, 0)\ns = json.loads(os.read(0, 1 << 20))\n"
+                               "os.write(s['result_fd'], ('\\n' + s['nonce'] + ' done\\n').encode())", ["assert 1 == 2"]),
+      # Print the expected output read from the spec (it used to be there).
+      "print_expected_from_spec": ("import os, json\nos.lseek(0, 0, 0)\nprint(json.loads(os.read(0, 1 << 20))['tests'][0][1])",
+                                   [("", "secret-42")]),
+      "read_proc_self_fd0": ("print(open('/proc/self/fd/0').read())", [("", "secret-42")]),
+      # Forge result lines on every fd it might have.
+      "forge_result_fds": ("import os\nfor fd in range(3, 64):\n  try:\n    os.write(fd, b'done\\nok\\n')\n  except OSError:\n"
+                           "    pass\nraise SystemExit(0)", ["assert 1 == 2"]),
+      "dir_fd_escape": (f"import os\nfd = os.open({outside!r}, os.O_RDONLY)\n"
+                        f"os.close(os.open('x', os.O_WRONLY | os.O_CREAT, dir_fd=fd))\nprint('ok')", [("", "ok")]),
+      "pth_into_site": (f"open({site_dir + '/zz_sandbox.pth'!r}, 'w').write('import os')\nprint('ok')", [("", "ok")]),
+      "symlink_out_then_write": (f"import os\nos.symlink({outside!r}, 'l')\nopen('l/x', 'w')\nprint('ok')", [("", "ok")]),
+      "proc_self_cwd_dotdot": ("open('/proc/self/cwd/../x', 'w')\nprint('ok')", [("", "ok")]),
+      "write_proc_self_fd": ("open('/proc/self/fd/1', 'w').write('x')\nprint('ok')", [("", "ok")]),
+      "mkfifo": (f"import os\nos.mkfifo({outside + '/x'!r})\nprint('ok')", [("", "ok")]),
+      "mknod": (f"import os, stat\nos.mknod({outside + '/x'!r}, stat.S_IFREG | 0o644)\nprint('ok')", [("", "ok")]),
+      "posix_mkfifo": (f"import posix\nposix.mkfifo({outside + '/x'!r})\nprint('ok')", [("", "ok")]),
+      "ctypes_via_ExtensionFileLoader": (
+          f"import importlib.machinery as m\nl = m.ExtensionFileLoader('_ctypes', {so!r})\n"
+          f"l.create_module(m.ModuleSpec('_ctypes', l, origin={so!r}))\nprint('ok')", [("", "ok")]),
+      "disk_quota_300_files": ("for i in range(300):\n  open(f'f{i}', 'wb').write(b'x' * 60000)\nprint('ok')", [("", "ok")]),
+  }
+
+
+TRICK_NAMES = list(_tricks("/x", "/y"))
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["hook", "no_hook"])
+def test_code_known_tricks_score_zero(hook):
+  outside = tempfile.mkdtemp(prefix="sandbox-outside-")
+  os.chmod(outside, 0o777)  # writable by anyone: only the sandbox, not file permissions, can stop the writes
+  site_dir = tempfile.mkdtemp(prefix="sandbox-site-")
+  os.chmod(site_dir, 0o777)  # stands for a writable site-packages
+  limits = data.dataclasses.replace(FAST, audit_hook=hook)
+  try:
+    for name, (code, tests) in _tricks(outside, site_dir).items():
+      if not hook and name in ("dir_fd_escape", "pth_into_site", "symlink_out_then_write", "proc_self_cwd_dotdot",
+                               "disk_quota_300_files"):
+        continue  # these need the audit hook (the OS layer alone cannot see them when paths are writable)
+      r = run(code, tests, limits)
+      assert not r.passed, (name, r)
+      print(f"| {name} ({'hook' if hook else 'OS layer only'}) | scores 0: {r.stderr.strip()[-100:] or r.reason} |")
+      assert os.listdir(outside) == [] and os.listdir(site_dir) == [], (name, os.listdir(outside))
+  finally:
+    shutil.rmtree(outside, ignore_errors=True)
+    shutil.rmtree(site_dir, ignore_errors=True)
+  # The same harness still passes honest programs in both modes (the tricks fail for the right reason).
+  assert run("print(input())", [("hi\n", "hi"), ("x", "x")], limits).passed
+  assert run("def f(x):\n  return x + 1", ["assert f(1) == 2"], limits).passed
 
 
 def test_code_no_network():

@@ -130,18 +130,19 @@ def test_push_needs_token(server):
   with pytest.raises(PermissionError):
     client(server, token=None).push(0, weights(0))  # refused client-side already
   bad = client(server, token="wrong")
-  with pytest.raises(PermissionError, match="wrong token"):
-    bad.push(0, weights(0))
-  for op in (lambda: bad.put("q", [{"id": "a"}]), lambda: bad.get("q", 1), lambda: bad.ack("q", ["a"]),
-             lambda: bad.requeue("q")):
-    with pytest.raises(PermissionError):
-      op()
-  assert bad.latest_version() == -1  # the connection survived the refusals (payloads were drained)
-  # A raw push frame with no token at all is refused by the server, which then still serves the connection.
+  for op in (lambda: bad.push(0, weights(0)), lambda: bad.put("q", [{"id": "a"}]), lambda: bad.get("q", 1),
+             lambda: bad.ack("q", ["a"]), lambda: bad.requeue("q"), bad.latest_version):
+    with pytest.raises(PermissionError, match="wrong token"):
+      op()  # a wrong token is refused when the connection authenticates, before any request
+  # A raw push frame with no token is refused before a payload byte is read, and the connection is closed
+  # (draining would let anyone hold a slot for as long as the payload it announces takes).
   specs = [{"name": "x", "dtype": "uint8", "shape": [4], "nbytes": 4, "crc": zlib.crc32(b"abcd")}]
+  h, closed = raw_exchange(server, frame(ps.PUSH, {"version": 0, "tensors": specs, "digest": ps._digest(0, specs)},
+                                         b"", plen=4))
+  assert closed and h["code"] == "auth" and "payload not read" in h["error"], h
+  # A read-only request without a token is served; one that needs the token is refused, the connection kept.
   s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-  s.sendall(frame(ps.PUSH, {"version": 0, "tensors": specs, "digest": ps._digest(0, specs)}, b"abcd")
-            + frame(ps.LATEST, {}))
+  s.sendall(frame(ps.GET, {"queue": "q", "max_items": 1}) + frame(ps.LATEST, {}))
   f = s.makefile("rb")
   for want_type, key in ((ps.ERROR, "error"), (ps.OK, "version")):
     _, _, mtype, hl, pl = ps.PREFIX.unpack(f.read(ps.PREFIX.size))
@@ -323,16 +324,36 @@ def test_slow_reader_times_out_and_is_freed():
     srv.stop()
 
 
-def test_max_clients_busy():
-  srv = make_server(max_clients=2)
+def test_full_server_evicts_anonymous_then_idle_and_is_busy_only_when_every_slot_works():
+  srv = make_server(max_clients=3, idle_timeout_s=60.0)
   try:
+    anon = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(20)]  # idle, no token
+    anon[-1].sendall(frame(ps.STATS, {})[:7])  # and one stuck mid-prefix
+    t0 = time.monotonic()
     a, b = client(srv), client(srv)
-    a.stats(), b.stats()
+    assert a.latest_version() == b.latest_version() == -1 and time.monotonic() - t0 < 1.0
+    assert a.stats()["clients"] <= 3
+    # Two authenticated clients blocked in a pull: the third evicts the last anonymous slot, then a fourth
+    # evicts the third (idle, authenticated: its client reconnects transparently on its next call).
+    waits = [threading.Thread(target=x.pull, kwargs=dict(wait_s=3.0)) for x in (a, b)]
+    for t in waits:
+      t.start()
+    time.sleep(0.5)
+    c = client(srv)
+    assert c.latest_version() == -1
+    d = client(srv, retries=1, backoff_s=0.01)
+    assert d.latest_version() == -1
+    # Now every slot does authenticated work (two pulls waiting, d waiting too): a newcomer gets "busy".
+    waits.append(threading.Thread(target=d.pull, kwargs=dict(wait_s=3.0)))
+    waits[-1].start()
+    time.sleep(0.5)
     with pytest.raises(ConnectionError, match="busy"):
       client(srv, retries=1, backoff_s=0.01).stats()
-    a.close()
-    time.sleep(0.1)
-    assert client(srv).latest_version() == -1
+    for t in waits:
+      t.join()
+    assert c.latest_version() == -1  # c had been evicted while idle: reconnected
+    for x in anon:
+      x.close()
   finally:
     srv.stop()
 
@@ -504,3 +525,155 @@ def test_flatten_unflatten_roundtrip_and_bad_keys():
   assert back.keys() == tree.keys() and back["layers"].keys() == tree["layers"].keys()
   with pytest.raises(ValueError, match="without '/'"):
     ps.flatten({"a/b": np.zeros(1)})
+
+
+# ----------------------------------------------------------------------------------------------- hostile input
+
+
+@pytest.mark.parametrize("name,header", [
+    ("NaN wait", b'{"wait_s":NaN}'), ("Infinity", b'{"wait_s":Infinity}'), ("overflowing float", b'{"wait_s":1e999}'),
+    ("5000-digit int", b'{"newer_than":' + b"9" * 5000 + b"}"), ("deep nesting", b"[" * 5000 + b"]" * 5000),
+    ("40 levels", b'{"a":' + b"[" * 40 + b"]" * 40 + b"}"),
+])
+def test_non_finite_huge_and_deep_headers_are_refused_for_every_type(server, name, header):
+  for mtype in (ps.PULL, ps.STATS, ps.GET):
+    h, closed = raw_exchange(server, ps.PREFIX.pack(ps.MAGIC, 1, mtype, len(header), 0) + header, shut_wr=True)
+    assert closed and h["code"] == "protocol", (name, h)
+  assert_served(server)
+
+
+def test_nan_or_string_durations_never_spin_the_server(server):
+  c = client(server)
+  for field in ("wait_s", "lease_s"):
+    for bad in ("nan", "1", True, None):
+      with pytest.raises(ValueError, match=field):
+        c._request(ps.GET, {"queue": "q", "max_items": 1, field: bad})
+  with pytest.raises(ValueError, match="wait_s"):
+    c._request(ps.PULL, {"newer_than": -1, "wait_s": "nan"})
+  with pytest.raises(ValueError, match="lease_s"):
+    c.get("q", 1, lease_s=1e9)  # above max_lease_s: refused, not clamped
+  with pytest.raises(ValueError, match="field 'score'"):
+    c.put("q", [{"id": "a", "score": float("nan")}])  # refused client-side, naming the field
+  with pytest.raises(ValueError):
+    c.pull(wait_s=float("nan"))
+  assert c.latest_version() == -1
+
+
+def test_absurd_shapes_are_refused_before_they_poison_pulls(server):
+  c = client(server)
+  for shape, nbytes in (([1 << 32, 1 << 32], 0), ([1 << 62, 4], 0), ([1] * 33, 4), ([True, 4], 4), ([-1], 0)):
+    specs = [{"name": "x", "dtype": "float32", "shape": shape, "nbytes": nbytes, "crc": 0}]
+    h, _ = raw_exchange(server, frame(ps.PUSH, {"version": 0, "tensors": specs, "digest": ps._digest(0, specs),
+                                               "token": TOKEN}, bytes(nbytes)), shut_wr=True)
+    assert h["code"] == "bad_request" and "shape" in h["error"] or "nbytes" in h["error"], (shape, h)
+  assert c.latest_version() == -1
+  c.push(0, weights(0))
+  assert c.pull()[0] == 0
+
+
+def test_header_caps_before_and_after_authentication():
+  srv = make_server(untrusted_header_kb=4.0, max_header_kb=64.0)
+  try:
+    big = {"version": 0, "pad": "x" * 8000}  # 8 KB: over the anonymous cap, under the authenticated one
+    h, closed = raw_exchange(srv, frame(ps.STATS, big), shut_wr=True)
+    assert closed and h["code"] == "protocol" and "4096" in h["error"], h
+    for second, want in ((big, ps.OK), ({"pad": "x" * 70000}, ps.ERROR)):  # authenticated: up to 64 KiB
+      s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+      s.sendall(frame(ps.AUTH, {"token": TOKEN}) + frame(ps.STATS, second))
+      f = s.makefile("rb")
+      for mt in (ps.OK, want):
+        _, _, mtype, hl, pl = ps.PREFIX.unpack(f.read(ps.PREFIX.size))
+        h = json.loads(f.read(hl))
+        f.read(pl)
+        assert mtype == mt, h
+      s.close()
+    assert h["code"] == "protocol" and str(64 * 1024) in h["error"], h
+  finally:
+    srv.stop()
+
+
+def test_unauthenticated_huge_announce_is_closed_at_once():
+  srv = make_server(header_timeout_s=5.0, min_rate_mb_s=1.0)  # draining 2^34 B at 1 MB/s: 4.7 hours
+  try:
+    t0 = time.monotonic()
+    h, closed = raw_exchange(srv, frame(ps.PUSH, {"version": 1}, plen=1 << 34))
+    assert closed and h["code"] == "auth" and time.monotonic() - t0 < 1.0, h
+    h, closed = raw_exchange(srv, frame(ps.PUT, {"queue": "q", "items": [], "token": "wrong"}, plen=1 << 20))
+    assert closed and h["code"] == "auth", h
+  finally:
+    srv.stop()
+
+
+# ----------------------------------------------------------------------------------------------- failed items
+
+
+def test_failed_item_is_retried_then_quarantined_and_the_producer_told(tmp_path):
+  srv = make_server(run_dir=str(tmp_path), max_failures=3)
+  c = client(srv)
+  c.put("prompts", [{"id": "bad", "n": 1}, {"id": "good", "n": 2}])
+  order = []
+  for k in range(3):
+    got = c.get("prompts", 1)
+    order.append(got[0]["id"])
+    if got[0]["id"] == "good":
+      c.ack("prompts", ["good"])
+      got = c.get("prompts", 1)
+    r = c.fail("prompts", ["bad"], f"ValueError: prompt too long (try {k})")
+    assert r["quarantined"] == (["bad"] if k == 2 else []), r
+  assert order[0] == "bad"
+  assert c.get("prompts", 10) == []  # quarantined: never issued again
+  assert c.fail("prompts", ["bad", "nope"], "again")["failed"] == []  # not leased: nothing to count
+  assert c.put("prompts", [{"id": "bad"}])["duplicates"] == ["bad"]
+  st = c.stats()["queues"]["prompts"]
+  assert st["quarantined"] == 1 and st["ready"] == st["leased"] == 0
+  notice = c.get("prompts.failed", 10)
+  assert [(x["id"], x["queue"], x["failures"]) for x in notice] == [("bad", "prompts", 3)]
+  assert "try 2" in notice[0]["reason"]
+  srv.stop()
+  srv = make_server(run_dir=str(tmp_path), max_failures=3)  # persisted: still quarantined, notice still there
+  c = client(srv)
+  assert c.stats()["queues"]["prompts"]["quarantined"] == 1 and c.get("prompts", 10) == []
+  assert [x["id"] for x in c.get("prompts.failed", 10)] == ["bad"]
+  c.put("prompts", [{"id": "flaky"}])
+  c.get("prompts", 1)
+  c.fail("prompts", ["flaky"], "once")
+  srv.stop()
+  srv = make_server(run_dir=str(tmp_path), max_failures=3)  # failure counts survive a restart too
+  c = client(srv)
+  for k in range(2):
+    assert c.get("prompts", 1)[0]["id"] == "flaky"
+    r = c.fail("prompts", ["flaky"], "again")
+  assert r["quarantined"] == ["flaky"]
+  srv.stop()
+
+
+def test_storage_error_is_reported_as_such_and_nothing_changes(tmp_path, monkeypatch):
+  import errno
+
+  class FullDisk(ps._Disk):
+    full = False
+
+    def write(self, fd, data):
+      if self.full:
+        os.write(fd, bytes(data[:3]))  # a short write, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+      super().write(fd, data)
+
+  disk = FullDisk()
+  monkeypatch.setattr(ps, "DISK", disk)
+  srv = make_server(run_dir=str(tmp_path))
+  c = client(srv)
+  c.put("q", [{"id": "a"}])
+  disk.full = True
+  with pytest.raises(ps.StorageError, match="not stored"):
+    c.put("q", [{"id": "b"}])
+  with pytest.raises(ps.StorageError):
+    c.ack("q", ["a"])
+  assert c.stats()["queues"]["q"]["ready"] == 1  # b not stored, a not acked
+  disk.full = False
+  assert c.put("q", [{"id": "b"}]) == {"accepted": 1, "duplicates": []}  # never "duplicate"
+  assert c.ack("q", ["a"])["acked"] == 1
+  srv.stop()
+  srv = make_server(run_dir=str(tmp_path))  # the torn bytes were cut off: the record after them survived
+  assert [x["id"] for x in client(srv).get("q", 10)] == ["b"]
+  srv.stop()

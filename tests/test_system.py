@@ -1,8 +1,10 @@
-"""The running system end to end: launch.sh local under kill -9 of a worker, the trainer and the server.
+"""The running system end to end: launch.sh local under kill -9 of a worker, the trainer and the server, and
+SIGTERM (a TPU preemption notice) of a worker and of the trainer mid-collection.
 
 A short RL run (tiny random base policy, built-in arithmetic) must still reach its final step; in the surviving
-lineage no rollout is trained twice; every acked rollout is recorded in the final checkpoint, and no issued prompt
-is lost (it is consumed, or its rollout or the prompt itself is still queued on the server).
+lineage every rollout is trained (or skipped as stale / zero-variance) exactly once and the final checkpoint's
+consumed set is exactly those; every consumed rollout is acked, and no issued prompt is lost (it is consumed, or
+its rollout or the prompt itself is still queued on the server).
 """
 import json
 import os
@@ -16,6 +18,7 @@ import jax
 import data
 import model
 import param_server as ps
+import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 120  # a quiet machine trains ~8 of these tiny steps/s: long enough that every kill lands mid-run
@@ -70,10 +73,21 @@ def signal_roles(run, roles, sig):
     os.kill(pid_of(run, role), sig)
 
 
-def kill9_and_wait_restart(run, role, proc):
-  """SIGKILL a role and wait until the supervisor has started its replacement (a new, live pid)."""
+def kill_roles(run):
+  """SIGKILL every role of a launch.sh local run by its pidfile (roles run in their own sessions: killing
+  launch.sh's process group does not reach them)."""
+  pids = os.path.join(run, "pids")
+  for name in os.listdir(pids) if os.path.isdir(pids) else []:
+    try:
+      os.kill(int(open(os.path.join(pids, name)).read()), signal.SIGKILL)
+    except (OSError, ValueError):
+      pass
+
+
+def kill9_and_wait_restart(run, role, proc, sig=signal.SIGKILL):
+  """SIGKILL (or `sig`) a role and wait until the supervisor has started its replacement (a new, live pid)."""
   old = pid_of(run, role)
-  os.kill(old, signal.SIGKILL)
+  os.kill(old, sig)
 
   def replaced():
     try:
@@ -113,6 +127,15 @@ def test_kill9_worker_trainer_server_run_completes_exactly_once(tmp_path):
     signal_roles(run, workers, signal.SIGCONT)
     # The restarted trainer resumes from its last checkpoint and must get past where it was killed.
     wait_until(lambda: steps_done(run) >= 20, 300, "step 20 after the trainer restart", proc)
+    # SIGTERM: a worker drains (hands back its prompts), the trainer stops mid-collection (workers paused, so it
+    # is waiting for its batch) and must hand the partial batch back instead of checkpointing it as consumed.
+    kill9_and_wait_restart(run, "worker0", proc, signal.SIGTERM)
+    wait_until(lambda: steps_done(run) >= 26, 300, "step 26 after the worker SIGTERM", proc)
+    signal_roles(run, workers, signal.SIGSTOP)
+    time.sleep(1.0)
+    kill9_and_wait_restart(run, "trainer0", proc, signal.SIGTERM)
+    signal_roles(run, workers, signal.SIGCONT)
+    wait_until(lambda: steps_done(run) >= 34, 300, "step 34 after the trainer SIGTERM", proc)
     signal_roles(run, workers, signal.SIGSTOP)
     kill9_and_wait_restart(run, "server", proc)
     signal_roles(run, workers, signal.SIGCONT)
@@ -120,6 +143,7 @@ def test_kill9_worker_trainer_server_run_completes_exactly_once(tmp_path):
   finally:
     if proc.poll() is None:
       os.killpg(proc.pid, signal.SIGKILL)
+      kill_roles(run)
     log.close()
   out = open(os.path.join(str(tmp_path), "launch.log")).read()
   assert rc == 0, out[-3000:]
@@ -127,21 +151,29 @@ def test_kill9_worker_trainer_server_run_completes_exactly_once(tmp_path):
   text = open(os.path.join(run, "logs", "supervisor.log")).read()
   for role in ("worker0", "trainer0", "server"):
     assert f"{role} exited" in text, text
+  assert "trainer0 exited (rc=0)" in text, text  # the SIGTERMed trainer checkpointed and stopped cleanly
+  check_exactly_once(run)
 
+
+def check_exactly_once(run):
+  """The run's ledger: metrics lineage vs the final checkpoint vs what the server persisted."""
   # The surviving lineage: the last record of each step (a step re-run after the trainer restart replaces it).
-  lineage = {}
+  lineage, skipped = {}, {}
   for line in open(os.path.join(run, "metrics.jsonl")):
     rec = json.loads(line)
-    lineage[rec["step"]] = rec["rollout_ids"]
+    lineage[rec["step"]], skipped[rec["step"]] = rec["rollout_ids"], rec["skipped_ids"]
   assert sorted(lineage) == list(range(1, STEPS + 1))
   trained = [rid for s in sorted(lineage) for rid in lineage[s]]
   assert len(trained) == len(set(trained)) == STEPS * 2, "a rollout was trained twice in the final lineage"
+  skipped = [rid for s in sorted(skipped) for rid in skipped[s]]
 
-  ckpts = sorted(d for d in os.listdir(os.path.join(run, "ckpt")) if d.isdigit())
-  state = json.load(open(os.path.join(run, "ckpt", ckpts[-1], "state.json")))
+  state = train.read_state(os.path.join(run, "ckpt"))
   assert state["step"] == STEPS
-  consumed = state["consumed"]
-  assert len(consumed) == len(set(consumed)) and set(trained) <= set(consumed)
+  # Exactly once: consumed = trained + skipped (stale / zero-variance), disjoint, nothing consumed untrained.
+  # The checkpoint keeps a bounded record (count + the newest generations); the metrics log has every id.
+  consumed = trained + skipped
+  assert len(consumed) == len(set(consumed)) == state["consumed"]["count"]
+  assert set(state["consumed"]["gens"][-1]) <= set(consumed)
 
   # Inspect what the server persisted (all leases come back on restart).
   srv = ps.Server(ps.ServerConfig(run_dir=os.path.join(run, "server"), token=open(os.path.join(run, "token")).read().strip())).start()
@@ -153,9 +185,9 @@ def test_kill9_worker_trainer_server_run_completes_exactly_once(tmp_path):
     # Every consumed rollout is acked: acking again finds them all known, none pending.
     assert c.ack("rollouts", consumed)["unknown"] == []
     # No prompt is lost: each issued id was consumed, or its rollout or the prompt itself is still queued.
+    seen = set(consumed) | queued_rollouts | queued_prompts
     for seq in range(state["seq"]):
       pid = f"s{seq}"
-      variants = {pid + "r" * i for i in range(4)}
-      assert variants & (set(consumed) | queued_rollouts | queued_prompts), f"prompt {pid} was lost"
+      assert {pid + "r" * i for i in range(4)} & seen, f"prompt {pid} was lost"
   finally:
     srv.stop()

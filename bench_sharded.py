@@ -1,0 +1,202 @@
+"""bench_sharded.py: the pod-scale data path measured on one box: a 4-process gloo trainer (2 fake CPU devices
+each, fsdp over 8) publishing a >= 100M-parameter model to 1, 2 and 4 shard servers (param_server.py processes),
+an orbax checkpoint of params + Adam state, and a TP=2 worker pulling the newest version (reshard on pull).
+
+Prints, per trainer process: peak RSS growth during publish and during checkpoint beside the full-model and
+full-state sizes and that process's own shard; bytes sent per version; time per version with S = 1, 2, 4
+servers; then the worker's bytes pulled, time, and a bit-exact check; then a PROJECTION for QwQ-32B built from
+the measured throughputs and the byte counts (assumptions printed), beside the anchors' reported figures.
+
+  python bench_sharded.py                          (~125M params; the machine may be shared: see the note)
+  python bench_sharded.py --d_model=256 --n_layers=2 --vocab=4096   (quick)
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+
+def rss_mb(field="VmRSS"):
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1]) / 1024
+
+
+def reset_peak():
+  with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM (peak RSS) to the current RSS
+    f.write("5")
+
+
+def cfg_hf(a):
+  return dict(model_type="qwen2", vocab_size=a.vocab, hidden_size=a.d_model, num_hidden_layers=a.n_layers,
+              num_attention_heads=a.d_model // 64, num_key_value_heads=a.d_model // 64, intermediate_size=4 * a.d_model,
+              max_position_embeddings=512, rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def trainer(a, n, i, port, servers, ckpt_dir):
+  """One trainer process: publish a.versions versions per S, then one checkpoint; prints a JSON line."""
+  import jax
+  import jax.numpy as jnp
+  import model
+  import shards
+  import train
+  from multiproc_helper import init, tiny
+  init(n, i, port)
+  mesh = model.make_mesh(1, jax.device_count(), 1)
+  jax.set_mesh(mesh)
+  cfg, params = tiny(0, mesh, cfg_hf(a))
+  jax.block_until_ready(params)
+  full = sum(x.nbytes for x in jax.tree.leaves(params))
+  own = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
+  clients = [shards.connect(s, token="t") for s in servers]
+  rec = dict(process=i, full_model_mb=full / 2**20, own_shards_mb=own / 2**20, times={})
+  base = rss_mb()
+  reset_peak()
+  version, _ = shards.publish(clients, 0, params, dict(config=cfg.to_hf_dict(), sampling={}))  # warm-up
+  rec["first_publish_rss_growth_mb"] = rss_mb("VmHWM") - base  # incl. one-time allocations (gloo, threads)
+  for S in (1, 2, 4):
+    ts = []
+    for _ in range(a.versions):
+      base = rss_mb()
+      reset_peak()
+      t = time.perf_counter()
+      version, sent = shards.publish(clients[:S], version + 1, params, dict(config=cfg.to_hf_dict(), sampling={}))
+      ts.append(time.perf_counter() - t)
+      rec["publish_rss_growth_mb"] = max(rec.get("publish_rss_growth_mb", 0), rss_mb("VmHWM") - base)
+    rec["times"][S] = statistics.median(ts)
+    rec["sent_mb"] = sent / 2**20
+  opt = train.make_optimizer(1e-3, 1, 10, 0.0, 1.0)
+  opt_state = jax.tree.map(jnp.copy, opt.init(params))
+  jax.block_until_ready(opt_state)
+  rec["full_state_mb"] = 3 * rec["full_model_mb"]
+  c = train.Checkpointer(ckpt_dir, keep=1)
+  base = rss_mb()
+  reset_peak()
+  t = time.perf_counter()
+  c.save(1, params, opt_state, dict(step=1))
+  rec["ckpt_blocking_s"] = time.perf_counter() - t  # training could go on from here
+  c.wait()
+  rec["ckpt_total_s"] = time.perf_counter() - t
+  rec["ckpt_rss_growth_mb"] = rss_mb("VmHWM") - base
+  c.close()
+  print("RESULT " + json.dumps(rec), flush=True)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--d_model", type=int, default=768)
+  ap.add_argument("--n_layers", type=int, default=8)
+  ap.add_argument("--vocab", type=int, default=32000)
+  ap.add_argument("--versions", type=int, default=3, help="versions timed per server count (median)")
+  ap.add_argument("--trainer", nargs=5, default=None, help=argparse.SUPPRESS)
+  a = ap.parse_args()
+  if a.trainer:
+    n, i, port, servers, ckpt = a.trainer
+    return trainer(a, int(n), int(i), int(port), servers.split(","), ckpt)
+  from test_shards import _free_port
+  tmp = tempfile.mkdtemp(prefix="bench_sharded_")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  srv, addrs = [], []
+  with open(os.path.join(tmp, "token"), "w") as f:
+    f.write("t\n")
+  for k in range(4):
+    pf = os.path.join(tmp, f"port{k}")
+    srv.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "param_server.py"), "--port=0", f"--port_file={pf}",
+                                 f"--token_file={tmp}/token"], env=env, stderr=subprocess.DEVNULL))
+    while not os.path.exists(pf):
+      time.sleep(0.1)
+    addrs.append(f"127.0.0.1:{open(pf).read().strip()}")
+  try:
+    port, n = _free_port(), 4
+    tenv = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    args = [f"--d_model={a.d_model}", f"--n_layers={a.n_layers}", f"--vocab={a.vocab}", f"--versions={a.versions}"]
+    procs = [subprocess.Popen([sys.executable, __file__, *args, "--trainer", str(n), str(i), str(port), ",".join(addrs),
+                               os.path.join(tmp, "ckpt")], env=tenv, stdout=subprocess.PIPE, text=True)
+             for i in range(n)]
+    recs = []
+    for p in procs:
+      out = p.communicate()[0]
+      assert p.returncode == 0, out[-3000:]
+      recs.append(json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:]))
+    r0 = recs[0]
+    print("NOTE: measured on a 2-core box shared with other jobs: timings are noisy and pessimistic.")
+    print(f"model: {r0['full_model_mb']:.0f} MiB fp32 ({r0['full_model_mb'] * 2**20 / 4 / 1e6:.0f}M params); full "
+          f"state (params + Adam moments): {r0['full_state_mb']:.0f} MiB; 4 trainer processes x 2 devices, fsdp=8")
+    print(f"{'proc':>4} {'own shards MiB':>14} {'sent/version MiB':>16} {'1st publish RSS+':>16} {'publish RSS+ MiB':>16} "
+          f"{'ckpt RSS+ MiB':>13} {'ckpt block s':>12} {'ckpt total s':>12}")
+    for r in recs:
+      print(f"{r['process']:>4} {r['own_shards_mb']:>14.1f} {r['sent_mb']:>16.1f} "
+            f"{r['first_publish_rss_growth_mb']:>16.1f} {r['publish_rss_growth_mb']:>16.1f} "
+            f"{r['ckpt_rss_growth_mb']:>13.1f} {r['ckpt_blocking_s']:>12.2f} {r['ckpt_total_s']:>12.2f}")
+    print(f"sum sent per version: {sum(r['sent_mb'] for r in recs):.1f} MiB = model {r0['full_model_mb']:.1f} MiB")
+    times = {S: max(r["times"][str(S)] for r in recs) for S in (1, 2, 4)}
+    for S, t in times.items():
+      print(f"time per version with {S} shard server(s): {t:.2f} s ({r0['full_model_mb'] / t:.0f} MiB/s aggregate)")
+    worker = subprocess.run([sys.executable, "-c", WORKER, addrs[0], json.dumps(cfg_hf(a))], env=tenv, cwd=ROOT,
+                            capture_output=True, text=True)
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    w = json.loads(worker.stdout.strip().splitlines()[-1])
+    print(f"TP=2 worker pull of v{w['version']}: {w['pulled_mb']:.1f} MiB pulled (its 2 devices hold "
+          f"{w['held_mb']:.1f} MiB, distinct slices) in {w['seconds']:.2f} s from 4 servers; bit-identical: "
+          f"{w['bit_identical']}")
+    project(r0["full_model_mb"] * 2**20 / times[4] / 4, w["pulled_mb"] * 2**20 / w["seconds"] / 4,
+            w["pulled_mb"] * 2**20 / w["seconds"])
+  finally:
+    for p in srv:
+      p.terminate()
+      p.wait()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+WORKER = """
+import json, sys, time
+sys.path.insert(0, "tests")
+import jax, numpy as np, model, param_server as ps, shards
+from multiproc_helper import values
+c = ps.Client(*sys.argv[1].split(":")[:1], int(sys.argv[1].split(":")[1]))
+m = c.manifest()
+cfg = model.Config.from_hf_dict(json.loads(sys.argv[2]))
+mesh = model.make_mesh(1, 1, 2)
+sh = model.param_shardings(cfg, mesh)
+t = time.perf_counter()
+got, pulled = shards.pull(m, sh, {})
+jax.block_until_ready(got)
+dt = time.perf_counter() - t
+ok = all(np.array_equal(np.asarray(s.data), values(x.shape, s.index, 0))
+         for x in jax.tree.leaves(got) for s in x.addressable_shards)
+held = sum(x.nbytes for x in jax.tree.leaves(got))
+print(json.dumps(dict(version=m["version"], pulled_mb=pulled / 2**20, held_mb=held / 2**20, seconds=dt, bit_identical=ok)))
+"""
+
+
+def project(publish_conn_bps, serve_bps, pull_bps):
+  """QwQ-32B on a v5p-512 trainer (128 hosts) with 128 workers: a PROJECTION from measured rates."""
+  model_b = 32.8e9 * 2  # bf16 weights
+  hosts, workers, nic = 128, 128, 100e9 / 8  # ASSUMED: 100 Gbit/s per host NIC, one 4-chip worker host each
+  publish_s = model_b / hosts / publish_conn_bps
+  per_server_out = model_b / hosts * workers
+  serve_s = per_server_out / min(nic, serve_bps)
+  worker_in_s = model_b / min(nic, pull_bps / 4 * hosts)
+  print("PROJECTION (not a measurement) for QwQ-32B, bf16 (65.6 GB), trainer v5p-512 = 128 hosts, 128 workers each")
+  print(f"  holding the whole model (TP over its chips); ASSUMED 100 Gbit/s NIC per host, and one server process "
+        f"serving as fast as one here; measured here: {publish_conn_bps / 1e9:.2f} GB/s per staging connection, "
+        f"{serve_bps / 1e9:.2f} GB/s per serving shard server, {pull_bps / 1e9:.2f} GB/s per pulling worker")
+  print(f"  publish: each host stages {model_b / hosts / 1e9:.2f} GB on its own server: {publish_s:.1f} s")
+  print(f"  serve: each shard server sends {per_server_out / 1e9:.1f} GB (its slice x {workers} workers): "
+        f">= {serve_s:.1f} s")
+  print(f"  each worker receives {model_b / 1e9:.1f} GB from {hosts} servers in parallel: >= {worker_in_s:.1f} s")
+  print(f"  => about {publish_s + max(serve_s, worker_in_s):.0f} s per version end to end (full weights, no deltas)")
+  print("  anchors (reported, Qwen3-235B): verl delta sync 11-15 s; NCCL broadcast 246-266 s")
+
+
+if __name__ == "__main__":
+  main()

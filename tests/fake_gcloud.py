@@ -1,0 +1,183 @@
+"""A fake `gcloud` for testing launch.sh's pod launcher on one machine (tests/test_launch.py puts it on PATH).
+
+Each TPU host is a directory $FAKE_GCLOUD_ROOT/hosts/<node>/w<i>; `tpu-vm ssh --worker=i --command=C` runs
+`bash -c C` there as that host (HOME = the host dir, its own env), so launch.sh's remote commands really run:
+project copy, setup, supervisors, server, a multi-process trainer, workers. Supported (what launch.sh uses):
+
+  compute tpus tpu-vm create NAME --accelerator-type=T          compute tpus tpu-vm describe NAME --format=...
+  compute tpus tpu-vm ssh NAME --worker=all|i --command=C      compute tpus tpu-vm scp [--recurse] SRC NAME:DST
+  compute tpus queued-resources create QR --node-id=NAME --accelerator-type=T [--spot]
+  compute tpus queued-resources describe QR --format=...        compute tpus queued-resources delete QR
+
+Every call's argv is appended to calls.jsonl (tests check, e.g., that no secret is on a command line).
+`preempt(root, node)` plays the cloud: kills the node's processes and marks it PREEMPTED / its queued resource
+SUSPENDED. Host counts are computed here independently of launch.sh (from the Cloud TPU docs' tables).
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+ROOT = os.environ.get("FAKE_GCLOUD_ROOT", "")
+
+
+def n_hosts(accel):
+  gen, n = accel.split("-")
+  n = int(n)
+  return n // 8 if gen == "v5p" else max(1, n // 8)  # v5p: 8 TensorCores per host; v5e/v6e: 8 chips per host
+
+
+def _path(*parts):
+  return os.path.join(ROOT, *parts)
+
+
+def _load(kind, name):
+  try:
+    with open(_path(kind, name + ".json")) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    return None
+
+
+def _save(kind, name, rec):
+  os.makedirs(_path(kind), exist_ok=True)
+  with open(_path(kind, name + ".json"), "w") as f:
+    json.dump(rec, f)
+
+
+def host_dirs(node):
+  rec = _load("nodes", node)
+  if rec is None:
+    sys.exit(f"fake gcloud: no TPU node {node}")
+  return [_path("hosts", node, f"w{i}") for i in range(rec["hosts"])]
+
+
+def _kill_node(node):
+  for d in (host_dirs(node) if _load("nodes", node) else []):
+    try:
+      pgids = [int(x) for x in open(os.path.join(d, ".pgids")).read().split()]
+    except FileNotFoundError:
+      pgids = []
+    for pg in pgids:
+      try:
+        os.killpg(pg, signal.SIGKILL)
+      except OSError:
+        pass
+
+
+def preempt(root, node):
+  """What a spot preemption does: every process on the node dies, the node is PREEMPTED."""
+  global ROOT
+  ROOT = root
+  _kill_node(node)
+  rec = _load("nodes", node)
+  rec["state"] = "PREEMPTED"
+  _save("nodes", node, rec)
+  qr = _load("qr", node + "-qr")
+  if qr:
+    qr["state"] = "SUSPENDED"
+    _save("qr", node + "-qr", qr)
+
+
+def _create_node(node, accel):
+  shutil.rmtree(_path("hosts", node), ignore_errors=True)
+  _save("nodes", node, dict(accel=accel, state="READY", hosts=n_hosts(accel)))
+  for d in host_dirs(node):
+    os.makedirs(d)
+
+
+def _opts(args):
+  pos, kv, flags = [], {}, set()
+  for a in args:
+    if a.startswith("--") and "=" in a:
+      k, v = a[2:].split("=", 1)
+      kv[k] = v
+    elif a.startswith("--"):
+      flags.add(a[2:])
+    else:
+      pos.append(a)
+  return pos, kv, flags
+
+
+def _host_env(d, i):
+  env = dict(os.environ, HOME=d, TPU_WORKER_ID=str(i))
+  env.update(json.loads(os.environ.get("FAKE_GCLOUD_HOST_ENV", "{}")))
+  return env
+
+
+def _ssh(node, worker, command):
+  dirs = host_dirs(node)
+  idx = range(len(dirs)) if worker == "all" else [int(worker)]
+  rc = 0
+  for i in idx:
+    # Own session per ssh command: what it leaves running (nohup ... &) is this host's, killable by preempt().
+    p = subprocess.Popen(["bash", "-c", command], cwd=dirs[i], env=_host_env(dirs[i], i), start_new_session=True,
+                         stdin=subprocess.DEVNULL)
+    with open(os.path.join(dirs[i], ".pgids"), "a") as f:
+      f.write(f"{p.pid}\n")
+    rc = p.wait() or rc
+  return rc
+
+
+def _scp(src, dst):
+  node, rel = dst.split(":", 1)
+  for d in host_dirs(node):
+    out = os.path.join(d, rel)
+    os.makedirs(os.path.dirname(out) or d, exist_ok=True)
+    if os.path.isdir(src):
+      shutil.copytree(src, out, dirs_exist_ok=True)
+    else:
+      shutil.copy2(src, out)
+  return 0
+
+
+def _describe(rec, fmt):
+  if rec is None:
+    return 1
+  if "ipAddress" in fmt:
+    print("127.0.0.1")
+  elif "state.state" in fmt or "state" in fmt:
+    print(rec["state"])
+  return 0
+
+
+def main(argv):
+  with open(_path("calls.jsonl"), "a") as f:
+    f.write(json.dumps(argv) + "\n")
+  if argv[:3] != ["compute", "tpus", "tpu-vm"] and argv[:3] != ["compute", "tpus", "queued-resources"]:
+    sys.exit(f"fake gcloud: unsupported {argv}")
+  pos, kv, flags = _opts(argv[3:])
+  verb, rest = pos[0], pos[1:]
+  if argv[2] == "tpu-vm":
+    if verb == "create":
+      _create_node(rest[0], kv["accelerator-type"])
+      return 0
+    if verb == "describe":
+      return _describe(_load("nodes", rest[0]), kv.get("format", ""))
+    if verb == "ssh":
+      return _ssh(rest[0], kv.get("worker", "0"), kv["command"])
+    if verb == "scp":
+      return _scp(rest[0], rest[1])
+  else:
+    qr = rest[0]
+    if verb == "create":
+      _create_node(kv["node-id"], kv["accelerator-type"])
+      _save("qr", qr, dict(node=kv["node-id"], state="ACTIVE", spot="spot" in flags))
+      return 0
+    if verb == "describe":
+      return _describe(_load("qr", qr), kv.get("format", ""))
+    if verb == "delete":
+      rec = _load("qr", qr)
+      if rec:
+        _kill_node(rec["node"])
+        shutil.rmtree(_path("hosts", rec["node"]), ignore_errors=True)
+        os.remove(_path("nodes", rec["node"] + ".json"))
+        os.remove(_path("qr", qr + ".json"))
+      return 0
+  sys.exit(f"fake gcloud: unsupported {argv}")
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

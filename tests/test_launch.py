@@ -1,0 +1,253 @@
+"""launch.sh as a user runs it: the pod launcher against a fake gcloud (tests/fake_gcloud.py: every TPU host is a
+directory on this machine, every `ssh --worker=i --command=C` runs C there), and the guards around a local run.
+
+The pod tests really start a server, a multi-process trainer and workers through launch.sh v5p-16 / v6e-8 and
+finish a few RL steps on a tiny random policy; one preempts the spot slice mid-run and checks that the launcher
+re-creates it and the run still ends at its last step.
+"""
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import data
+import fake_gcloud
+from test_system import ROOT, child_env, free_port, kill_roles, steps_done, tiny_base
+
+
+def run(cmd, **kw):
+  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=child_env(), **kw)
+
+
+# ------------------------------------------------------------------------------------------------ host counts
+
+
+def dry(size, *flags):
+  r = run(["bash", "launch.sh", size, "--tpu=t", "--zone=z", "--dry_run", "--state_dir=/nonexistent", *flags])
+  assert r.returncode == 0, r.stderr
+  return r.stdout
+
+
+def test_pod_host_counts_follow_tpu_docs():
+  # v5p-N counts TensorCores (2 per chip, 4 chips per host); v5e/v6e-N count chips, 8 per host.
+  for size, hosts in [("v5p-8", 1), ("v5p-16", 2), ("v5p-1024", 128), ("v6e-4", 1), ("v6e-8", 1), ("v6e-16", 2),
+                      ("v6e-256", 32), ("v5e-16", 2)]:
+    assert f"{hosts} trainer hosts" in dry(size), size
+    assert fake_gcloud.n_hosts(size) == hosts
+  bad = run(["bash", "launch.sh", "v5p-12", "--tpu=t", "--zone=z", "--dry_run"])
+  assert bad.returncode == 2 and "multiple of 8" in bad.stderr
+  bad = run(["bash", "launch.sh", "v5p-64", "--dry_run"])
+  assert bad.returncode == 2 and "--tpu=NAME --zone=ZONE" in bad.stderr
+
+
+def test_pod_dry_run_commands_are_exact_and_parse():
+  out = dry("v5p-16", "--spot", "--", "--steps=5")
+  lines = [l for l in out.splitlines() if l.startswith("gcloud")]
+  ssh = [shlex.split(l) for l in lines if " ssh " in l]
+  # one server, a shard server on each other trainer host (1), one trainer per trainer host (2), one worker per
+  # inference host (2), setup commands
+  roles = [a for argv in ssh for a in argv if a.startswith("--command=") and "launch.sh host " in a]
+  assert sum("param_server.py" in c and "--run_dir=" in c for c in roles) == 1
+  assert sum("param_server.py" in c and "host shard1 " in c and "--port=5556" in c for c in roles) == 1
+  assert sum("train.py" in c for c in roles) == 2 and sum("rollout.py" in c for c in roles) == 2
+  assert all("--shard_servers=self:5556" in c for c in roles if "train.py" in c)
+  assert any("--process_id=1" in c and "--num_processes=2" in c and "--steps=5" in c for c in roles)
+  for argv in ssh:  # each remote command is one argument that bash parses
+    cmd = [a for a in argv if a.startswith("--command=")][0][len("--command="):]
+    assert subprocess.run(["bash", "-n"], input=cmd, text=True).returncode == 0, cmd
+  assert any("queued-resources create t-qr" in l and "--spot" in l for l in lines)
+  assert any(" scp " in l and ".secrets/token" in l for l in lines)
+
+
+# ------------------------------------------------------------------------------------------------ fake pod
+
+
+def fake_pod(tmp_path):
+  root = tmp_path / "gcloud"
+  (root / "bin").mkdir(parents=True)
+  gcloud = root / "bin" / "gcloud"
+  gcloud.write_text(f"#!/bin/sh\nexec {sys.executable} {os.path.join(ROOT, 'tests', 'fake_gcloud.py')} \"$@\"\n")
+  gcloud.chmod(0o755)
+  env = child_env()
+  host_env = dict(RL_SKIP_INSTALL="1", VENV=os.path.join(ROOT, ".venv"), JAX_PLATFORMS="cpu", STOP_GRACE_S="30")
+  env.update(PATH=f"{root / 'bin'}:{env['PATH']}", FAKE_GCLOUD_ROOT=str(root),
+             FAKE_GCLOUD_HOST_ENV=json.dumps(host_env))
+  env["VENV"] = os.path.join(ROOT, ".venv")
+  return str(root), env
+
+
+def base_and_tokenizer(tmp_path):
+  src = str(tmp_path / "src")
+  os.makedirs(src)
+  tok_path = data.build_task_tokenizer(src, "arithmetic", seed=0)
+  tiny_base(src, data.load_tokenizer(tok_path))
+  return os.path.join(src, "base"), tok_path
+
+
+TRAIN = ["--prompts_per_step=2", "--group_size=4", "--difficulty=1", "--ops=+-", "--checkpoint_every=1",
+         "--get_wait_s=0.5", "--train_size=100", "--prefetch_steps=1", "--mesh=-1,1,1"]
+WORKER = "--slots=8 --chunk_steps=4 --verifier_workers=0 --lease_s=10"
+
+
+def pod_launch(size, tmp_path, env, steps, *flags, train=()):
+  ckpt, tok = base_and_tokenizer(tmp_path)
+  cmd = ["bash", "launch.sh", size, "--tpu=t", "--zone=z", f"--port={free_port()}", f"--coord_port={free_port()}",
+         f"--init_checkpoint={ckpt}", f"--tokenizer={tok}", "--poll_s=1", f"--worker_args={WORKER}",
+         f"--state_dir={tmp_path / 'state'}", *flags,
+         "--", f"--steps={steps}", *TRAIN, *train]
+  log = open(tmp_path / "launch.log", "w")
+  return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc, root, tmp_path, timeout):
+  try:
+    rc = proc.wait(timeout=timeout)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+    for node in os.listdir(os.path.join(root, "nodes")) if os.path.isdir(os.path.join(root, "nodes")) else []:
+      fake_gcloud.ROOT = root
+      fake_gcloud._kill_node(node[:-len(".json")])
+  out = open(tmp_path / "launch.log").read()
+  assert rc == 0, out[-4000:]
+  return out
+
+
+def no_secret_on_command_lines(root, token):
+  calls = open(os.path.join(root, "calls.jsonl")).read()
+  assert token not in calls
+
+
+def test_pod_v5p16_fake_gcloud_runs_rl_steps(tmp_path):
+  root, env = fake_pod(tmp_path)
+  for name in ("t", "t-infer"):
+    subprocess.run(["gcloud", "compute", "tpus", "tpu-vm", "create", name, "--zone=z", "--accelerator-type=v5p-16"],
+                   env=env, check=True)
+  # Checkpoints of a multi-host trainer go to storage every host shares (a bucket on a real pod).
+  proc = pod_launch("v5p-16", tmp_path, env, 3, train=[f"--checkpoint_dir={tmp_path / 'shared_ckpt'}"])
+  out = finish(proc, root, tmp_path, 400)
+  assert "2 trainer hosts on t, 2 inference hosts" in out and "training done" in out
+  host0 = os.path.join(root, "hosts", "t", "w0", "rl")
+  run_dir = os.path.join(host0, "runs", "pod")
+  assert open(os.path.join(run_dir, "DONE")).read() == "3"
+  assert steps_done(run_dir) == 3
+  # a 2-process trainer: process 1 ran on host w1 (its own copy of the project), the workers on the infer slice
+  assert os.path.exists(os.path.join(root, "hosts", "t", "w1", "rl", "runs", "pod", "logs", "trainer1.log"))
+  for i in (0, 1):
+    assert os.path.exists(os.path.join(root, "hosts", "t-infer", f"w{i}", "rl", "runs", "pod", "logs", f"worker{i}.log"))
+  token = open(tmp_path / "state" / "token").read().strip()
+  assert open(os.path.join(host0, ".secrets", "token")).read().strip() == token
+  no_secret_on_command_lines(root, token)
+
+
+def test_pod_v6e8_spot_preemption_recreates_slice_and_finishes(tmp_path):
+  root, env = fake_pod(tmp_path)
+  shared = str(tmp_path / "shared_run")  # like a gcsfuse mount: survives the slice, so the trainer resumes
+  steps = 5
+  proc = pod_launch("v6e-8", tmp_path, env, steps, "--spot", f"--run_dir={shared}")
+  t0 = time.time()
+  while steps_done(shared) < 2:
+    assert proc.poll() is None, open(tmp_path / "launch.log").read()[-3000:]
+    assert time.time() - t0 < 300, "no training step within 300 s"
+    time.sleep(0.5)
+  fake_gcloud.preempt(root, "t")
+  out = finish(proc, root, tmp_path, 400)
+  assert "slice t is PREEMPTED" in out and "training done" in out
+  creates = [json.loads(l) for l in open(os.path.join(root, "calls.jsonl")) if '"create", "t-qr"' in l]
+  assert len(creates) == 2 and all("--spot" in c for c in creates)
+  assert open(os.path.join(shared, "DONE")).read() == str(steps)
+  lineage = {json.loads(l)["step"] for l in open(os.path.join(shared, "metrics.jsonl"))}
+  assert lineage == set(range(1, steps + 1))
+
+
+# ------------------------------------------------------------------------------------------------ local runs
+
+
+def real_inputs(tmp_path):
+  """A tiny random HF checkpoint + its tokenizer + train/eval jsonl files (arithmetic problems as a user's data)."""
+  ckpt, tok = base_and_tokenizer(tmp_path)
+  train, ev = str(tmp_path / "train.jsonl"), str(tmp_path / "eval.jsonl")
+  data.write_jsonl(train, data.make_task_problems("arithmetic", 60, 1, seed=0, split="train", ops="+-"))
+  data.write_jsonl(ev, data.make_task_problems("arithmetic", 8, 1, seed=1, split="eval", ops="+-"))
+  return ckpt, tok, train, ev
+
+
+def local(run_dir, *flags, env=None):
+  return ["bash", "launch.sh", "local", f"--run_dir={run_dir}", *flags]
+
+
+def test_local_refuses_what_would_silently_go_wrong(tmp_path):
+  ckpt, tok, train, ev = real_inputs(tmp_path)
+  r = run(local(tmp_path / "a", f"--init_checkpoint={ckpt}", f"--tokenizer={tok}", f"--train_jsonl={train}"))
+  assert r.returncode == 2 and "needs an eval set" in r.stderr  # not the demo's arithmetic, silently
+  r = run(local(tmp_path / "a", f"--train_jsonl={tmp_path / 'nope.jsonl'}", f"--eval_jsonl={ev}"))
+  assert r.returncode == 2 and "nope.jsonl: no such file" in r.stderr
+  r = run(local(tmp_path / "a", f"--init_checkpoint={tmp_path}", f"--eval_jsonl={ev}"))
+  assert r.returncode == 2 and "no config.json" in r.stderr
+  bad = tmp_path / "bad_eval.jsonl"
+  bad.write_text(open(ev).read() + "{not json\n")
+  r = run(local(tmp_path / "b", f"--init_checkpoint={ckpt}", f"--tokenizer={tok}", f"--train_jsonl={train}",
+                f"--eval_jsonl={bad}", "--max_new_tokens=8"), timeout=300)
+  assert r.returncode == 1 and "evaluation of" in r.stderr and "bad_eval.jsonl:9: invalid JSON" in r.stderr, r.stderr
+
+
+def test_local_bad_train_file_stops_with_its_error_not_a_crash_loop(tmp_path):
+  ckpt, tok, train, ev = real_inputs(tmp_path)
+  bad = tmp_path / "bad_train.jsonl"
+  bad.write_text(open(train).read() + '{"id": "x", "prompt": "1+1="}\n')  # no answer
+  env = dict(child_env(), SAME_ERROR_LIMIT="2")
+  r = subprocess.run(local(tmp_path / "r", f"--init_checkpoint={ckpt}", f"--tokenizer={tok}", f"--train_jsonl={bad}",
+                           "--skip_eval", "--max_new_tokens=8", "--workers=1", f"--worker_args={WORKER}"),
+                     cwd=ROOT, capture_output=True, text=True, env=env, timeout=400)
+  assert r.returncode == 1 and "failed 2 times with the same error" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+  assert "bad_train.jsonl:61" in r.stderr, r.stderr
+  assert not os.path.exists(tmp_path / "r" / "pids" / "server.pid")  # everything stopped
+
+
+def cmdline(pid):
+  return open(f"/proc/{pid.strip()}/cmdline").read().split("\0")
+
+
+def test_local_two_runs_side_by_side_stop_checkpoints_and_run_dir_identity(tmp_path):
+  ckpt, tok, train, ev = real_inputs(tmp_path)
+  real = [f"--init_checkpoint={ckpt}", f"--tokenizer={tok}", f"--train_jsonl={train}", "--skip_eval",
+          "--max_new_tokens=8", f"--worker_args={WORKER}", "--workers=1", "--", *TRAIN[:-1]]
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  logs = [open(tmp_path / f"{x}.log", "w") for x in "ab"]
+  pa = subprocess.Popen(local(a, "--steps=1000", *real), cwd=ROOT, env=child_env(), stdout=logs[0],
+                        stderr=subprocess.STDOUT, start_new_session=True)
+  pb = subprocess.Popen(local(b, "--steps=2", *real), cwd=ROOT, env=child_env(), stdout=logs[1],
+                        stderr=subprocess.STDOUT, start_new_session=True)
+  try:
+    assert pb.wait(timeout=400) == 0, open(tmp_path / "b.log").read()[-3000:]
+    assert open(os.path.join(b, "DONE")).read() == "2"
+    ports = [dict(l.split("=") for l in open(os.path.join(d, "ports")).read().split()) for d in (a, b)]
+    assert ports[0]["server"] != ports[1]["server"]
+    t0 = time.time()
+    while steps_done(a) < 2:
+      assert pa.poll() is None and time.time() - t0 < 300, open(tmp_path / "a.log").read()[-3000:]
+      time.sleep(0.5)
+    trainer = cmdline(open(os.path.join(a, "pids", "trainer0.pid")).read())
+    assert "--lr=1e-6" in trainer and "--dynamic_sampling" not in trainer  # real-model defaults, not the demo's
+    stop = run(["bash", "launch.sh", "stop", f"--run_dir={a}"], timeout=200)
+    assert stop.returncode == 0
+    assert pa.wait(timeout=60) == 0
+  finally:
+    for p, d in ((pa, a), (pb, b)):
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        kill_roles(d)
+  out = open(tmp_path / "a.log").read()
+  assert "stopped before the last step" in out, out[-2000:]
+  # the final checkpoint holds the last trained step (SIGTERM checkpoint, written while the server still ran)
+  last = steps_done(a)
+  ckpts = sorted(d for d in os.listdir(os.path.join(a, "ckpt")) if d.isdigit())
+  assert int(ckpts[-1]) == last, (ckpts, last)
+  assert not [f for f in os.listdir(os.path.join(a, "pids"))]
+  # the same run dir with other data is refused, naming what differs
+  r = run(local(a, f"--init_checkpoint={ckpt}", f"--tokenizer={tok}", f"--train_jsonl={ev}", "--skip_eval",
+                "--max_new_tokens=8"))
+  assert r.returncode == 2 and "holds another run" in r.stderr and "train_jsonl" in r.stderr, r.stderr

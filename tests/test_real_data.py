@@ -1,0 +1,91 @@
+"""Real-user data path (issue 13): jsonl shapes, HF chat templates vs transformers, math-verify agreement,
+prompts that cannot fit refused at load. CPU, no model: ~30 s."""
+import json
+
+import pytest
+
+import data
+
+LLAMA3 = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+          "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+QWEN3 = ("{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+         "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+         "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+         "{%- endif %}")
+
+
+def _tiny_tokenizer_dir(tmp_path, template, bos, eos):
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  specials = [bos, eos, "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+  vocab = {t: i for i, t in enumerate(["<unk>"] + specials + list("abcdefghijklmnopqrstuvwxyz0123456789?"))}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.add_special_tokens(specials)
+  tok.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(
+      chat_template=template, bos_token=bos, eos_token=eos, tokenizer_class="PreTrainedTokenizerFast")))
+  return tmp_path
+
+
+@pytest.mark.parametrize("name,template,bos,eos,kwargs", [
+    ("llama3", LLAMA3, "<|begin_of_text|>", "<|eot_id|>", {}),
+    ("qwen3", QWEN3, "<|endoftext|>", "<|im_end|>", {"enable_thinking": False}),
+    ("qwen3-think", QWEN3, "<|endoftext|>", "<|im_end|>", {"enable_thinking": True})])
+def test_hf_template_matches_transformers(tmp_path, name, template, bos, eos, kwargs):
+  from transformers import AutoTokenizer
+  d = _tiny_tokenizer_dir(tmp_path, template, bos, eos)
+  p = data.Problem("1", "What is 2+2? ", "4", system="Be brief.")
+  got = data.render_prompt(p, "hf", chat_template=data.load_chat_template(str(d), **kwargs))
+  want = AutoTokenizer.from_pretrained(str(d)).apply_chat_template(
+      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2? "}],
+      tokenize=False, add_generation_prompt=True, **kwargs)
+  assert got == want
+  assert ("</think>" in got) == (kwargs.get("enable_thinking") is False)
+
+
+def test_hf_template_raise_exception(tmp_path):
+  d = _tiny_tokenizer_dir(tmp_path, "{{ raise_exception('only user turns') }}", "<s>", "</s>")
+  with pytest.raises(Exception, match="only user turns"):
+    data.render_prompt(data.Problem("1", "q", "a"), "hf", chat_template=data.load_chat_template(str(d)))
+
+
+def test_jsonl_shapes_and_errors(tmp_path):
+  f = tmp_path / "mix.jsonl"
+  rows = [{"id": "p", "prompt": "1+1?", "answer": "2"},
+          {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U?"}], "answer": "3"},
+          {"question": "Clips?", "answer": "48 + 24 = 72\n#### 1,072"},
+          {"problem": "Half?", "solution": "It is $\\boxed{\\frac{1}{2}}$."}]
+  f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+  ps = data.load_jsonl(str(f))
+  assert [(p.prompt, p.answer) for p in ps] == [("1+1?", "2"), ("U?", "3"), ("Clips?", "1072"), ("Half?", "\\frac{1}{2}")]
+  assert ps[1].system == "S" and ps[2].id == "L3" and ps[3].source == f"{f}:4"
+  assert data.verify(ps[2], "so \\boxed{1072}") == 1.0
+  for bad, msg in [({"foo": 1}, ":1: unknown record shape"), ({"question": "q", "answer": "no final"}, ":1: field 'answer' has no GSM8K"),
+                   ({"problem": "q", "solution": "none"}, ":1: field 'solution' has no"),
+                   ({"messages": [{"role": "assistant", "content": "x"}], "answer": "1"}, ":1: field 'messages' has no user")]:
+    f.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match=msg):
+      data.load_jsonl(str(f))
+  f.write_text(json.dumps(rows[0]) + "\n")
+  with pytest.raises(ValueError, match=":1: missing field 'question'"):
+    data.load_jsonl(str(f), shape="gsm8k")
+
+
+def test_fit_prompts_skips_and_reports(tmp_path, caplog):
+  f = tmp_path / "long.jsonl"
+  f.write_text("\n".join(json.dumps({"id": str(i), "prompt": "w " * n, "answer": "1"})
+                         for i, n in enumerate([10, 300, 20])) + "\n")
+  ps = data.load_jsonl(str(f))
+  kept, skipped, longest = data.fit_prompts(ps, lambda p: p.prompt.split(), max_new_tokens=56, max_seq_len=256)
+  assert [p.id for p in kept] == ["0", "2"] and longest == 20
+  assert [(p.id, n) for p, n in skipped] == [("1", 300)]
+  assert f"{f}:2" in caplog.text and "300 tokens > limit 200" in caplog.text
+
+
+def test_math_verify_beats_old_verifier():
+  old, new, wrong = data.math_agreement()
+  assert new >= 0.9 and new > old, (old, new, wrong)
+  p = data.Problem("g", "?", "#### 18")
+  assert data.verify(p, "so \\boxed{18}") == 1.0 and data.verify(p, "18") == 0.0  # strict: unboxed scores 0
+  assert data.verify(p, "The answer is 18", strict_math=False) == 1.0
