@@ -459,9 +459,9 @@ def buckets_for(max_len):
   return tuple(b)
 
 
-def write_flags_once(run_dir):
-  """The run's flags, saved once (flags.json; a resumed run keeps the first record)."""
-  path = os.path.join(run_dir, "flags.json")
+def write_flags_once(run_dir, name="flags.json"):
+  """The run's flags, saved once (a resumed run keeps the first record)."""
+  path = os.path.join(run_dir, name)
   if not os.path.exists(path):
     vals = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
     with open(path + ".tmp", "w") as f:
@@ -545,8 +545,8 @@ def run_sft():
     raise app.UsageError(f"no training prompt fits: all {len(skipped)} exceed max_seq_len {seq_budget(cfg)} - "
                          f"max_new_tokens {FLAGS.max_new_tokens}")
   buckets = buckets_for(max_prompt + FLAGS.max_new_tokens)
-  if lead:
-    write_flags_once(FLAGS.run_dir)
+  if jax.process_index() == 0:
+    write_flags_once(FLAGS.run_dir, "sft_flags.json")
   stream = data.PromptStream(problems, seed=FLAGS.seed)
   bsh = NamedSharding(mesh, P(("data", "fsdp")))
 
@@ -567,7 +567,7 @@ def run_sft():
     probs = stream.take(FLAGS.sft_batch)
     b = data.make_batch([tok.encode(data.render_prompt(p, FLAGS.template), add_bos=True) for p in probs],
                         [tok.encode(data.reference_completion(p)) + [tok.eos_id] for p in probs],
-                        BUCKETS, tok.pad_id)
+                        buckets, tok.pad_id)
     b = {k: b[k].astype(np.float32 if k == "loss_mask" else np.int32) for k in ("tokens", "targets", "positions",
                                                                                "segment_ids", "loss_mask")}
     params, opt_state, loss = step(params, opt_state, to_global(b, bsh))
