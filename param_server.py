@@ -63,6 +63,14 @@ Sharded mode (a pod: S shard servers, one per trainer host; the JAX side is shar
   MANIFEST the newest manifest newer than v (waits like pull).
   FETCH    sub-slices of staged pieces (the server cuts them; only the needed bytes travel), crc-checked; a piece
            whose stored crc differs from the requested one (replaced or collected) is refused.
+  DELTA    like FETCH, for a reader that holds the same slices of an older version `base`: per piece, an encoding
+           of only what changed (delta_encode: XOR vs the base then zlib, or sparse positions + new values,
+           whichever is smaller, else the full bytes) with the crc of the RESULT, which the reader checks after
+           applying it. Served only against the immediately previous version staged here (else "full"), built
+           once per (piece, sub-slice, base) and cached beside the staged version it belongs to, so the cache
+           goes when the version is collected; a version's cached deltas never exceed its own staged bytes
+           (past that they are rebuilt per request). Memory: at most max_versions + 2 staged versions, each
+           with at most 2x its bytes (pieces + deltas).
   Staged pieces and manifests live in memory only: after a restart the trainer re-publishes (SPEC).
 
 Public API:
@@ -75,6 +83,7 @@ Public API:
     .latest_version() -> int                       (-1 when none; pushed or committed-manifest versions)
     .stage(version, nonce, name, index, array), .staged(version, nonce, keep) -> dict, .commit(manifest) -> kept,
     .manifest(newer_than=-1, wait_s=0.0) -> dict | None, .fetch(version, pieces) -> [np.ndarray]   (sharded mode)
+    .delta(version, base, pieces) -> [{"enc", "crc", "changed", "data"}]   (sharded mode; apply with delta_apply)
     .put(queue, items: list[dict], wait_s=0.0) -> {"accepted": int, "duplicates": [ids]}
     .get(queue, max_items, wait_s=0.0, lease_s=300.0) -> list[dict]
     .ack(queue, ids) -> {"acked": int, "unknown": [ids]}
@@ -126,12 +135,12 @@ MAGIC = b"RLPS"
 PROTOCOL_VERSION = 1
 PREFIX = struct.Struct("<4sHHIQ")  # magic, protocol version, message type, header len, payload len
 PUSH, PULL, LATEST, PUT, GET, ACK, REQUEUE, STATS = range(1, 9)
-STAGE, STAGED, COMMIT, MANIFEST, FETCH = range(9, 14)  # sharded weights (see "Sharded mode" above)
+STAGE, STAGED, COMMIT, MANIFEST, FETCH, DELTA = range(9, 15)  # sharded weights (see "Sharded mode" above)
 AUTH, FAIL = 32, 33
 OK, ERROR = 64, 65
 REQUEST_TYPES = {PUSH: "push", PULL: "pull", LATEST: "latest", PUT: "put", GET: "get", ACK: "ack",
                  REQUEUE: "requeue", STATS: "stats", STAGE: "stage", STAGED: "staged", COMMIT: "commit",
-                 MANIFEST: "manifest", FETCH: "fetch", AUTH: "auth", FAIL: "fail"}
+                 MANIFEST: "manifest", FETCH: "fetch", DELTA: "delta", AUTH: "auth", FAIL: "fail"}
 NEEDS_TOKEN = {PUSH, PUT, GET, ACK, REQUEUE, STAGE, COMMIT, AUTH, FAIL}
 MAX_JSON_DEPTH = 32   # headers are flat records; deep nesting only costs the parser (and recursion) memory
 MAX_NDIM = 32
@@ -481,6 +490,93 @@ class ServerConfig:
   max_failures: int = 3              # FAIL reports after which a queue item is quarantined
 
 
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # an element's bits, whatever its dtype
+
+
+def delta_encode(new, old, itemsize):
+  """What a reader holding bytes `old` needs to rebuild bytes `new` (same length, elements of `itemsize` bytes).
+
+  Returns (enc, payload, changed elements), the smallest of, measured each time (sizes depend on the step):
+    "xor_zlib"  zlib level 1 of new XOR old: unchanged elements are zero bytes, and an RL step on bf16 weights
+                also leaves most bits of a changed element equal, so this is usually the smallest;
+    "sparse"    uint32 positions of the changed elements, then their new values: cheaper to apply, wins when
+                very few elements changed;
+    "full"      the new bytes themselves, where a delta would be larger (e.g. the first step after init).
+  """
+  if len(new) != len(old) or itemsize not in _UINT or len(new) % itemsize:
+    raise ValueError(f"delta_encode: {len(new)} new vs {len(old)} old bytes, itemsize {itemsize}")
+  u = _UINT[itemsize]
+  a = np.frombuffer(new, u)
+  x = a ^ np.frombuffer(old, u)
+  pos = np.flatnonzero(x)
+  best = ("full", new)
+  if a.size < 2 ** 32:
+    sparse = [pos.astype("<u4").tobytes(), a[pos].tobytes()]
+    if sum(map(len, sparse)) < len(best[1]):
+      best = ("sparse", b"".join(sparse))
+  if pos.size:
+    z = zlib.compress(x, 1)  # level 1: ~all of the gain on mostly-zero input, at a fraction of the time
+    if len(z) < len(best[1]):
+      best = ("xor_zlib", z)
+  return best[0], best[1], int(pos.size)
+
+
+def delta_apply(enc, payload, base, itemsize):
+  """Applies delta_encode's (enc, payload) in place to `base` (a writable contiguous array holding the old
+  bytes). Raises ValueError on a payload that cannot be the delta of base (the caller also checks the crc)."""
+  if enc not in ("full", "sparse", "xor_zlib") or itemsize not in _UINT:
+    raise ValueError(f"delta_apply: unknown encoding {enc!r} or itemsize {itemsize}")
+  b = base.reshape(-1).view(np.uint8).view(_UINT[itemsize])
+  if enc == "full":
+    if len(payload) != base.nbytes:
+      raise ValueError(f"delta_apply: full payload of {len(payload)} bytes for a {base.nbytes}-byte slice")
+    b[...] = np.frombuffer(payload, b.dtype)
+  elif enc == "sparse":
+    n, r = divmod(len(payload), 4 + itemsize)
+    pos = np.frombuffer(payload, "<u4", n)
+    if r or (n and int(pos.max()) >= b.size):
+      raise ValueError(f"delta_apply: sparse payload of {len(payload)} bytes does not fit {b.size} elements")
+    b[pos] = np.frombuffer(payload, b.dtype, n, offset=4 * n)
+  else:
+    d = zlib.decompressobj()  # bounded: a bad payload cannot expand past the slice's size
+    try:
+      x = d.decompress(payload, base.nbytes)
+    except zlib.error as e:
+      raise ValueError(f"delta_apply: bad zlib payload: {e}") from None
+    if len(x) != base.nbytes or d.unconsumed_tail:
+      raise ValueError(f"delta_apply: xor payload expands to {len(x)}+ bytes, slice has {base.nbytes}")
+    b ^= np.frombuffer(x, b.dtype)
+  return base
+
+
+def _cut(version, piece, sub):
+  """(bytes, crc, shape) of the sub-slice `sub` ([[start, stop], ...] within the piece, None = all) of a staged
+  piece (spec, index, buf). Slices leading dims of a (shape..., itemsize) byte view: dtypes are never interpreted."""
+  spec, index, buf = piece
+  if sub is None or sub == [[0, b - a] for a, b in index]:  # the whole piece: its stored crc holds
+    return memoryview(buf), spec["crc"], spec["shape"]
+  if not (isinstance(sub, list) and len(sub) == len(index) and all(
+      isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0] <= r[1] <= b - a
+      for r, (a, b) in zip(sub, index))):
+    raise ValueError(f"fetch v{version} {spec['name']!r}: sub {sub!r} outside piece {index}")
+  raw = np.frombuffer(buf, np.uint8).reshape(*spec["shape"], DTYPES[spec["dtype"]])
+  part = np.ascontiguousarray(raw[tuple(slice(a, b) for a, b in sub)]).reshape(-1)
+  return part, zlib.crc32(part), [b - a for a, b in sub]
+
+
+class _Once:
+  """A value built by the first thread that asks; threads asking meanwhile wait for that build, not their own."""
+
+  def __init__(self):
+    self.lock, self.value = threading.Lock(), None
+
+  def get(self, build):
+    with self.lock:
+      if self.value is None:
+        self.value = build()
+      return self.value
+
+
 class _Version:
   __slots__ = ("version", "specs", "digest", "buf", "head")
 
@@ -761,6 +857,7 @@ class Server:
     self._staged = {}                           # sharded mode: version -> _Staged (this server's pieces)
     self._keep = set()                          # versions the coordinator said are committed (never GC'd first)
     self._manifests = []                        # sharded mode: [(version, manifest JSON bytes)], oldest first
+    self._delta_builds = 0                      # sharded mode: deltas built (each once per piece, sub and base)
     self._queues = {}
     self._qlock = threading.Lock()
     self._stopped = threading.Event()
@@ -991,7 +1088,7 @@ class Server:
       handler = {PUSH: self._push, PULL: self._pull, LATEST: self._latest, PUT: self._put, GET: self._get,
                  ACK: self._ack, REQUEUE: self._requeue, STATS: self._stats, STAGE: self._stage,
                  STAGED: self._staged_table, COMMIT: self._commit, MANIFEST: self._manifest,
-                 FETCH: self._fetch, AUTH: self._auth, FAIL: self._fail}[mtype]
+                 FETCH: self._fetch, DELTA: self._delta, AUTH: self._auth, FAIL: self._fail}[mtype]
       handler(conn, header, plen, deadline)
     except (_Refused, ValueError, KeyError, TypeError) as e:
       if isinstance(e, ProtocolError):
@@ -1104,7 +1201,10 @@ class Server:
         while len(self._staged) >= self.cfg.max_versions + 2:
           old = min(self._staged, key=lambda v: (v in self._keep, v))
           del self._staged[old]
-        st = self._staged[version] = {"nonce": nonce, "pieces": {}}
+        st = self._staged[version] = {"nonce": nonce, "pieces": {}, "nbytes": 0, "deltas": {},
+                                           "delta_bytes": 0}
+      prev = st["pieces"].get((name, json.dumps(index)))
+      st["nbytes"] += plen - (len(prev[2]) if prev else 0)
       st["pieces"][(name, json.dumps(index))] = (spec, index, buf)
     self._ok(conn, {"version": version})
 
@@ -1177,22 +1277,61 @@ class Server:
                          "held here (garbage-collected or replaced; read the newest manifest)")
         found.append((w, got))
     specs, parts = [], []
-    for w, (spec, index, buf) in found:
-      sub = w.get("sub")
-      if sub is None or sub == [[0, b - a] for a, b in index]:  # the whole piece: its stored crc holds
-        part, crc = memoryview(buf), spec["crc"]
-      else:  # slice leading dims of a (shape..., itemsize) byte view: the server never interprets dtypes
-        if not (isinstance(sub, list) and len(sub) == len(index) and all(
-            isinstance(r, list) and len(r) == 2 and 0 <= r[0] <= r[1] <= b - a for r, (a, b) in zip(sub, index))):
-          raise ValueError(f"fetch v{version} {spec['name']!r}: sub {sub!r} outside piece {index}")
-        raw = np.frombuffer(buf, np.uint8).reshape(*spec["shape"], DTYPES[spec["dtype"]])
-        part = np.ascontiguousarray(raw[tuple(slice(a, b) for a, b in sub)]).reshape(-1)
-        crc = zlib.crc32(part)
-      shape = [b - a for a, b in sub] if sub is not None else spec["shape"]
-      specs.append(dict(name=spec["name"], dtype=spec["dtype"], shape=shape, nbytes=len(part), crc=crc))
+    for w, piece in found:
+      part, crc, shape = _cut(version, piece, w.get("sub"))
+      specs.append(dict(name=piece[0]["name"], dtype=piece[0]["dtype"], shape=shape, nbytes=len(part), crc=crc))
       parts.append(part)
     self._ok(conn, {"version": version, "tensors": specs, "digest": _digest(version, specs)}, parts,
              sum(len(p) for p in parts))
+
+  def _delta(self, conn, h, plen, deadline):
+    """FETCH for a reader holding `base`: per piece what changed (see DELTA above), or the full bytes."""
+    version, base, want = h.get("version"), h.get("base"), h.get("pieces")
+    if not isinstance(want, list) or len(want) > self.cfg.max_tensors:
+      raise ValueError("delta: pieces must be a list")
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (version, base)) or base >= version:
+      raise ValueError(f"delta: base must be an int older than version, got base={base!r} version={version!r}")
+    with self._wcond:
+      st = self._staged.get(version)
+      # Deltas only against the immediately previous version held here: one base per version bounds the cache.
+      older = [v for v in self._staged if v < version]
+      bst = self._staged.get(base) if older and max(older) == base else None
+      found = []
+      for w in want:
+        key = (w.get("name"), json.dumps(w.get("index")))
+        got = st and st["pieces"].get(key)
+        if not got or got[0]["crc"] != w.get("crc"):
+          raise _Refused("stale_version", f"delta v{version}: piece {w.get('name')!r} {w.get('index')} is not "
+                         "held here (garbage-collected or replaced; read the newest manifest)")
+        old = bst and bst["pieces"].get(key)
+        if not old or old[0]["crc"] != w.get("base_crc") or old[0]["dtype"] != got[0]["dtype"]:
+          found.append((w, got, None, None, None))  # the reader's base is not one we hold: full bytes
+          continue
+        # Keyed by the base's crc too: a cached delta is valid for exactly the base bytes it was built from.
+        ck = key + (json.dumps(w.get("sub")), base, old[0]["crc"])
+        found.append((w, got, old, st["deltas"].setdefault(ck, _Once()), ck))
+    pieces, parts = [], []
+    for w, got, old, once, ck in found:
+      part, crc, _ = _cut(version, got, w.get("sub"))
+      if old is None:
+        enc, payload, changed = "full", part, -1
+      else:
+        def build(got=got, old=old, w=w, part=part, ck=ck):
+          enc, payload, changed = delta_encode(part, _cut(base, old, w.get("sub"))[0], DTYPES[got[0]["dtype"]])
+          payload = None if enc == "full" else payload  # "full" is served from the piece itself: no cache memory
+          with self._wcond:
+            self._delta_builds += 1
+            # Bounded: a version's cached deltas never exceed its own staged bytes; past that they are rebuilt.
+            if payload is not None and st["delta_bytes"] + len(payload) > st["nbytes"]:
+              st["deltas"].pop(ck, None)
+            elif payload is not None:
+              st["delta_bytes"] += len(payload)
+          return enc, payload, changed
+        enc, payload, changed = once.get(build)
+        payload = part if enc == "full" else payload
+      pieces.append(dict(enc=enc, nbytes=len(payload), crc=crc, changed=changed))
+      parts.append(payload)
+    self._ok(conn, {"version": version, "base": base, "pieces": pieces}, parts, sum(len(p) for p in parts))
 
   def _latest(self, conn, h, plen, deadline):
     self._ok(conn, {"version": self.latest()})
@@ -1393,8 +1532,10 @@ class Server:
                         "bytes": q.nbytes, "failing": len(q.failures), "quarantined": len(q.quarantined)}
     with self._conn_lock:
       clients = len(self._conns)
+    with self._wcond:
+      delta = {"builds": self._delta_builds, "cached_bytes": sum(st["delta_bytes"] for st in self._staged.values())}
     return {"latest_version": versions[-1] if versions else -1, "versions": versions, "weight_bytes": wbytes,
-            "queues": queues, "clients": clients, "uptime_s": time.monotonic() - self._started}
+            "queues": queues, "clients": clients, "uptime_s": time.monotonic() - self._started, "delta": delta}
 
   def _stats(self, conn, h, plen, deadline):
     self._ok(conn, self.stats())
@@ -1681,6 +1822,23 @@ class Client:
     longer holds one (the version was garbage-collected: read the newest manifest again)."""
     h, buf = self._request(FETCH, {"version": int(version), "pieces": list(pieces)}, tensors=True)
     return _views(buf, h["tensors"])
+
+  def delta(self, version: int, base: int, pieces) -> list:
+    """FETCH for a reader that holds version `base`: pieces = [{name, index, crc, sub, base_crc}] (base_crc: the
+    crc the base's manifest gives the piece at the same index). Returns per piece {"enc", "crc", "changed",
+    "data"}: delta_apply(enc, data, <the reader's copy of that sub-slice of base>, itemsize), then the caller
+    MUST check zlib.crc32 of the result == crc (the new version's bytes), which catches a wrong base too.
+    enc "full" (data = the new bytes) where the server holds no matching base or a delta would be larger.
+    Raises ValueError like fetch if the server no longer holds `version`."""
+    h, buf = self._request(DELTA, {"version": int(version), "base": int(base), "pieces": list(pieces)})
+    sizes = [p.get("nbytes") for p in h.get("pieces", [])]
+    if len(sizes) != len(pieces) or not all(isinstance(n, int) and n >= 0 for n in sizes) or sum(sizes) != len(buf):
+      raise ProtocolError(f"delta reply: piece sizes {sizes[:8]} do not add up to the {len(buf)}-byte payload")
+    out, off, mv = [], 0, memoryview(buf)
+    for p, n in zip(h["pieces"], sizes):
+      out.append(dict(enc=p["enc"], crc=p["crc"], changed=p["changed"], data=mv[off:off + n]))
+      off += n
+    return out
 
   def stats(self) -> dict:
     return self._request(STATS, {})[0]

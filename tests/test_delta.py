@@ -1,0 +1,140 @@
+"""Delta weight sync (issue 18): a reader holding version v pulls only what changed (param_server DELTA,
+shards.pull(base=...)); its weights stay bit-identical to the published ones through skipped versions, a
+server restart and a corrupted base."""
+import ml_dtypes
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import param_server as ps
+import shards
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _trainer_mesh():
+  return Mesh(np.array(jax.devices()[:4]), ("fsdp",))  # 4 pieces per tensor, split on rows
+
+
+def _reader_shardings():
+  m = Mesh(np.array(jax.devices()[4:6]), ("tp",))  # splits columns: sub-slices of every trainer piece
+  return dict(w=NamedSharding(m, P(None, "tp")), e=NamedSharding(m, P(None, "tp")), b=NamedSharding(m, P()))
+
+
+class Trainer:
+  """fp32 master weights, a small update per step (an RL-sized step: most bf16 elements do not move), published
+  as bf16 (w, e) and fp32 (b) through shards.publish."""
+
+  def __init__(self, client):
+    rng = np.random.default_rng(0)
+    self.rng, self.client, self.version = rng, client, -1
+    self.master = dict(w=rng.normal(0, 0.02, (64, 32)), e=rng.normal(0, 0.02, (16, 8)), b=rng.normal(0, 1, (32,)))
+
+  def step_and_publish(self, lr=1e-5):
+    for k, x in self.master.items():
+      x += lr * self.rng.standard_normal(x.shape)
+    self.version += 1
+    self.published = {k: x.astype(np.float32 if k == "b" else BF16) for k, x in self.master.items()}
+    mesh = _trainer_mesh()
+    tree = {k: jax.device_put(x, NamedSharding(mesh, P("fsdp") if x.shape[0] % 4 == 0 else P()))
+            for k, x in self.published.items()}
+    shards.publish([self.client], self.version, tree, dict(config={}, sampling={}))
+
+
+def _same(got, want):
+  return all(np.array_equal(np.asarray(got[k]).view(np.uint8), want[k].view(np.uint8)) for k in want)
+
+
+@pytest.fixture()
+def server():
+  box = [ps.Server(ps.ServerConfig(token="t", max_versions=2)).start()]
+  yield box
+  box[0].stop()
+
+
+def test_delta_pulls_stay_bit_identical_through_a_skipped_version_and_a_server_restart(server):
+  port = server[0].port
+  trainer = Trainer(ps.Client("127.0.0.1", port, token="t"))
+  reader, clients, sh = ps.Client("127.0.0.1", port), {}, _reader_shardings()
+  trainer.step_and_publish()
+  m = reader.manifest()
+  params, _ = shards.pull(m, sh, clients)  # first pull: full
+  held = (m, params)
+
+  def delta_pull():
+    nonlocal held
+    m = reader.manifest(newer_than=held[0]["version"])
+    st = {}
+    params, nbytes = shards.pull(m, sh, clients, base=held, stats=st)
+    assert _same(params, trainer.published) and st["fallbacks"] == 0
+    held = (m, params)
+    return st
+
+  trainer.step_and_publish()
+  st = delta_pull()  # v0 -> v1: deltas, far fewer bytes than a full pull
+  assert st["pieces"].get("full", 0) <= 4 and st["bytes"] < st["full_bytes"] / 3, st  # only fp32 b (4 pieces) goes in full
+  assert 0 < st["changed_bytes"] < st["covered_bytes"]
+  builds = reader.stats()["delta"]["builds"]
+  other = {}  # a second worker pulling the same delta: served from the cache, nothing rebuilt
+  shards.pull(held[0], sh, other, base=(m, params))
+  assert reader.stats()["delta"]["builds"] == builds
+  trainer.step_and_publish()
+  trainer.step_and_publish()
+  st = delta_pull()  # v1 -> v3, v2 skipped: the base is 2 back, the server answers the full bytes
+  assert set(st["pieces"]) == {"full"} and st["bytes"] == st["full_bytes"]
+  server[0].stop()  # restart: staged pieces and manifests are memory only, the trainer re-publishes
+  server[0] = ps.Server(ps.ServerConfig(token="t", max_versions=2, port=port)).start()
+  trainer.step_and_publish()
+  st = delta_pull()  # v3 -> v4 on a server that never held v3: full
+  assert set(st["pieces"]) == {"full"}
+  trainer.step_and_publish()
+  st = delta_pull()  # v4 -> v5: deltas again
+  assert st["pieces"].get("full", 0) <= 4 and st["bytes"] < st["full_bytes"] / 3, st
+  s = reader.stats()["delta"]
+  assert 0 < s["cached_bytes"] <= sum(x.nbytes for x in trainer.published.values())
+
+
+def test_corrupted_base_is_caught_by_the_result_crc_and_pulled_in_full(server):
+  trainer = Trainer(ps.Client("127.0.0.1", server[0].port, token="t"))
+  reader, sh = ps.Client("127.0.0.1", server[0].port), _reader_shardings()
+  trainer.step_and_publish()
+  m0 = reader.manifest()
+  params, _ = shards.pull(m0, sh, {})
+  w = np.asarray(params["w"]).copy()
+  w.view(np.uint16)[5, 3] ^= 1  # one flipped bit in the worker's copy of v0 (a bad host, a lost delta, ...)
+  bad = dict(params, w=jax.device_put(w, sh["w"]))
+  trainer.step_and_publish()
+  st = {}
+  got, _ = shards.pull(reader.manifest(), sh, {}, base=(m0, bad), stats=st)
+  assert st["fallbacks"] == 1  # exactly the piece holding [5, 3], for the device slice holding it
+  assert _same(got, trainer.published)
+
+
+def test_delta_encoding_picks_the_smallest_and_round_trips():
+  rng = np.random.default_rng(1)
+  old = rng.normal(0, 0.02, 4096).astype(BF16)
+  cases = {"sparse": old.copy(), "xor_zlib": old.copy(), "full": rng.integers(0, 1 << 16, 4096, np.uint16).view(BF16)}  # noise
+  cases["sparse"][[7, 900]] += BF16.type(0.5)  # two changed elements: positions + values are the smallest
+  cases["xor_zlib"] = (old.astype(np.float32) + rng.normal(0, 2e-4, 4096)).astype(BF16)  # many low-bit changes
+  for want, new in cases.items():
+    enc, payload, changed = ps.delta_encode(new.view(np.uint8), old.view(np.uint8), 2)
+    assert enc == want and changed == int((new.view(np.uint16) != old.view(np.uint16)).sum())
+    out = ps.delta_apply(enc, payload, old.copy(), 2)
+    assert np.array_equal(out.view(np.uint16), new.view(np.uint16))
+  with pytest.raises(ValueError, match="sparse payload"):
+    ps.delta_apply("sparse", np.array([5000], "<u4").tobytes() + b"\0\0", old.copy(), 2)
+  with pytest.raises(ValueError, match="xor payload"):
+    ps.delta_apply("xor_zlib", __import__("zlib").compress(b"\0" * 10), old.copy(), 2)
+
+
+def test_delta_request_checks_its_arguments(server):
+  c = ps.Client("127.0.0.1", server[0].port, token="t")
+  c.stage(1, 7, "w", [[0, 2]], np.ones(2, np.float32))
+  piece = dict(name="w", index=[[0, 2]], crc=c.staged(1, 7)["pieces"][0]["crc"], sub=None, base_crc=0)
+  with pytest.raises(ValueError, match="base must be an int older"):
+    c.delta(1, 1, [piece])
+  with pytest.raises(ValueError, match="not held here"):
+    c.delta(2, 1, [piece])
+  (r,) = c.delta(1, 0, [piece])  # no base held: the full bytes
+  assert r["enc"] == "full" and bytes(r["data"]) == np.ones(2, np.float32).tobytes()
