@@ -361,15 +361,27 @@ def run_worker():
   jax.set_mesh(mesh)
   shardings, shard_clients = model.param_shardings(cfg, mesh), {}
 
+  held = None  # (manifest, params) this worker holds: the base its next pull asks deltas against
+  last_pull = {}  # the newest pull's figures, sent with every rollout (the trainer logs them in metrics.jsonl)
+
   def pull(m):
-    """The manifest's weights, only the slices this worker's devices hold (shards.pull); None if they were
+    """The manifest's weights, only the slices this worker's devices hold (shards.pull), as deltas against the
+    version it holds (each piece's result crc-checked, a mismatch pulled in full); None if they were
     garbage-collected meanwhile (a newer version exists: the next poll gets it) or a shard server is down (the
     trainer re-publishes to its replacement)."""
+    nonlocal held
+    t, st = time.time(), {}
     try:
-      return shards.pull(m, shardings, shard_clients)[0]
+      params = shards.pull(m, shardings, shard_clients, base=held, stats=st)[0]
     except (ValueError, ConnectionError) as e:
       logging.warning("worker %s: pull of v%d failed (%s); retrying with the next manifest", wid, m["version"], e)
       return None
+    held = (m, params)
+    # delta_frac: bytes moved / bytes a full pull moves (1.0 for a full pull); fallbacks: result crc mismatches.
+    last_pull.update(pull_bytes=st["bytes"], pull_s=time.time() - t, delta_frac=st["bytes"] / max(st["full_bytes"], 1),
+                     pull_fallbacks=st["fallbacks"])
+    logging.info("worker %s: pulled v%d: %s", wid, m["version"], {k: round(v, 4) for k, v in last_pull.items()})
+    return params
 
   params = None
   while params is None and not stop.requested:
@@ -459,7 +471,7 @@ def run_worker():
                        tests=it.get("tests"), prompt_tokens=np.asarray(it["prompt_tokens"], np.int32),
                        completions=[c.astype(np.int32) for c in comps],
                        logprobs=[lps[i, :n[i]].astype(np.float32) for i in range(len(comps))],
-                       rewards=np.asarray(rewards, np.float32), gen_s=time.time() - g["t0"])
+                       rewards=np.asarray(rewards, np.float32), gen_s=time.time() - g["t0"], **last_pull)
         client.put("rollouts", [rollout])
       except Exception as e:
         fail_item(client, gid, e, failed)

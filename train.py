@@ -913,6 +913,11 @@ def run_rl():
                  wait_s=wait_s, step_s=step_s,
                  push_s=push_s, tokens_per_s=float(batch["loss_mask"].sum()) / max(step_s, 1e-9),
                  version=state["version"], rollout_ids=[g["id"] for g in groups], skipped_ids=skipped, **m)
+      # Weight sync as the workers saw it: each rollout carries its worker's newest pull (shards.pull with a
+      # delta base); the mean over this step's groups. delta_frac = bytes moved / bytes of a full pull.
+      pulls = [g for g in groups if "pull_bytes" in g]
+      rec.update({k: float(np.mean([g[k] for g in pulls])) for k in ("pull_bytes", "pull_s", "delta_frac")
+                  if pulls})
       metrics.write(rec)
       bar.update(1)
       bar.set_postfix(reward=f"{rec['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", ent=f"{m.get('entropy', 0):.3f}")
