@@ -64,13 +64,14 @@ Sharded mode (a pod: S shard servers, one per trainer host; the JAX side is shar
   FETCH    sub-slices of staged pieces (the server cuts them; only the needed bytes travel), crc-checked; a piece
            whose stored crc differs from the requested one (replaced or collected) is refused.
   DELTA    like FETCH, for a reader that holds the same slices of an older version `base`: per piece, an encoding
-           of only what changed (delta_encode: XOR vs the base then zlib, or sparse positions + new values,
-           whichever is smaller, else the full bytes) with the crc of the RESULT, which the reader checks after
-           applying it. Served only against the immediately previous version staged here (else "full"), built
-           once per (piece, sub-slice, base) and cached beside the staged version it belongs to, so the cache
-           goes when the version is collected; a version's cached deltas never exceed its own staged bytes
-           (past that they are rebuilt per request). Memory: at most max_versions + 2 staged versions, each
-           with at most 2x its bytes (pieces + deltas).
+           of only what changed (delta_encode: sparse positions + XORed values, or the XOR of all bytes, either
+           zlib-compressed, whichever is smaller, else the full bytes) with the crc of the RESULT, which the
+           reader checks after applying it. Served only against the immediately previous version staged here
+           (else "full": a reader that skipped a version, or a server that restarted since, gets full bytes),
+           built once per (piece, sub-slice, base) for the whole fleet and cached beside the staged version it
+           belongs to, so the cache goes when the version is collected; a version's cached deltas never exceed
+           its own staged bytes (past that they are rebuilt per request). Memory: at most max_versions + 2
+           staged versions, each with at most 2x its bytes (pieces + deltas).
   Staged pieces and manifests live in memory only: after a restart the trainer re-publishes (SPEC).
 
 Public API:
@@ -497,55 +498,67 @@ def delta_encode(new, old, itemsize):
   """What a reader holding bytes `old` needs to rebuild bytes `new` (same length, elements of `itemsize` bytes).
 
   Returns (enc, payload, changed elements), the smallest of, measured each time (sizes depend on the step):
-    "xor_zlib"  zlib level 1 of new XOR old: unchanged elements are zero bytes, and an RL step on bf16 weights
-                also leaves most bits of a changed element equal, so this is usually the smallest;
-    "sparse"    uint32 positions of the changed elements, then their new values: cheaper to apply, wins when
-                very few elements changed;
-    "full"      the new bytes themselves, where a delta would be larger (e.g. the first step after init).
+    "sparse_zlib"  zlib level 1 of the changed elements' position gaps (uint32) and their XOR against the old
+                   value, each split into byte planes: the gaps' high bytes are ~all zero, and an RL step on bf16
+                   weights flips only the low mantissa bits of an element, so both compress well. Tried while
+                   the changed elements' raw (position, value) pairs are no bigger than the slice itself.
+    "xor_zlib"     zlib level 1 of new XOR old (unchanged elements are zero bytes): wins when most elements
+                   changed (e.g. fp32 weights, or the first step after init).
+    "full"         the new bytes themselves, where a delta would be larger.
+  Measured on this box (bf16, N(0, 0.02) weights, 20M elements): 1.5% changed -> sparse_zlib 1.1% of the bytes
+  vs xor_zlib 3.1%, and 2x faster to apply; 7% -> 4.7% vs 10%.
   """
   if len(new) != len(old) or itemsize not in _UINT or len(new) % itemsize:
     raise ValueError(f"delta_encode: {len(new)} new vs {len(old)} old bytes, itemsize {itemsize}")
   u = _UINT[itemsize]
-  a = np.frombuffer(new, u)
-  x = a ^ np.frombuffer(old, u)
-  pos = np.flatnonzero(x)
+  x = np.frombuffer(new, u) ^ np.frombuffer(old, u)
+  changed = int(np.count_nonzero(x))
   best = ("full", new)
-  if a.size < 2 ** 32:
-    sparse = [pos.astype("<u4").tobytes(), a[pos].tobytes()]
-    if sum(map(len, sparse)) < len(best[1]):
-      best = ("sparse", b"".join(sparse))
-  if pos.size:
-    z = zlib.compress(x, 1)  # level 1: ~all of the gain on mostly-zero input, at a fraction of the time
-    if len(z) < len(best[1]):
-      best = ("xor_zlib", z)
-  return best[0], best[1], int(pos.size)
+  if changed * (4 + itemsize) <= len(new) and x.size < 2 ** 32:
+    pos = np.flatnonzero(x)
+    gaps = np.diff(pos, prepend=0).astype("<u4")
+    planes = [gaps.view(np.uint8).reshape(-1, 4).T.reshape(-1),
+              x[pos].view(np.uint8).reshape(-1, itemsize).T.reshape(-1)]
+    best = min(best, ("sparse_zlib", zlib.compress(np.concatenate(planes), 1)), key=lambda e: len(e[1]))
+  # sparse_zlib under 2% of the slice: xor_zlib always measured larger here; skip its cost (the whole slice).
+  if changed and not (best[0] == "sparse_zlib" and len(best[1]) * 50 < len(new)):
+    best = min(best, ("xor_zlib", zlib.compress(x, 1)), key=lambda e: len(e[1]))
+  return best[0], best[1], changed
+
+
+def _inflate(payload, limit):
+  d = zlib.decompressobj()  # bounded: a bad payload cannot expand past `limit` bytes
+  try:
+    y = d.decompress(payload, limit)
+  except zlib.error as e:
+    raise ValueError(f"delta_apply: bad zlib payload: {e}") from None
+  if d.unconsumed_tail or not d.eof:
+    raise ValueError(f"delta_apply: zlib payload expands past {limit} bytes or is truncated")
+  return np.frombuffer(y, np.uint8)
 
 
 def delta_apply(enc, payload, base, itemsize):
   """Applies delta_encode's (enc, payload) in place to `base` (a writable contiguous array holding the old
   bytes). Raises ValueError on a payload that cannot be the delta of base (the caller also checks the crc)."""
-  if enc not in ("full", "sparse", "xor_zlib") or itemsize not in _UINT:
+  if enc not in ("full", "sparse_zlib", "xor_zlib") or itemsize not in _UINT:
     raise ValueError(f"delta_apply: unknown encoding {enc!r} or itemsize {itemsize}")
   b = base.reshape(-1).view(np.uint8).view(_UINT[itemsize])
   if enc == "full":
     if len(payload) != base.nbytes:
       raise ValueError(f"delta_apply: full payload of {len(payload)} bytes for a {base.nbytes}-byte slice")
     b[...] = np.frombuffer(payload, b.dtype)
-  elif enc == "sparse":
-    n, r = divmod(len(payload), 4 + itemsize)
-    pos = np.frombuffer(payload, "<u4", n)
-    if r or (n and int(pos.max()) >= b.size):
-      raise ValueError(f"delta_apply: sparse payload of {len(payload)} bytes does not fit {b.size} elements")
-    b[pos] = np.frombuffer(payload, b.dtype, n, offset=4 * n)
+  elif enc == "sparse_zlib":
+    y = _inflate(payload, b.size * (4 + itemsize))
+    k, r = divmod(y.size, 4 + itemsize)
+    pos = np.cumsum(np.ascontiguousarray(y[:4 * k].reshape(4, k).T).view("<u4").reshape(-1), dtype=np.int64)
+    if r or (k and pos[-1] >= b.size):
+      raise ValueError(f"delta_apply: sparse payload of {y.size} bytes does not fit {b.size} elements")
+    b[pos] ^= np.ascontiguousarray(y[4 * k:].reshape(itemsize, k).T).view(b.dtype).reshape(-1)
   else:
-    d = zlib.decompressobj()  # bounded: a bad payload cannot expand past the slice's size
-    try:
-      x = d.decompress(payload, base.nbytes)
-    except zlib.error as e:
-      raise ValueError(f"delta_apply: bad zlib payload: {e}") from None
-    if len(x) != base.nbytes or d.unconsumed_tail:
-      raise ValueError(f"delta_apply: xor payload expands to {len(x)}+ bytes, slice has {base.nbytes}")
-    b ^= np.frombuffer(x, b.dtype)
+    y = _inflate(payload, base.nbytes)
+    if y.size != base.nbytes:
+      raise ValueError(f"delta_apply: xor payload expands to {y.size} bytes, slice has {base.nbytes}")
+    b ^= y.view(b.dtype)
   return base
 
 

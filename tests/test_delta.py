@@ -1,6 +1,8 @@
 """Delta weight sync (issue 18): a reader holding version v pulls only what changed (param_server DELTA,
 shards.pull(base=...)); its weights stay bit-identical to the published ones through skipped versions, a
 server restart and a corrupted base."""
+import zlib
+
 import ml_dtypes
 import jax
 import numpy as np
@@ -73,7 +75,8 @@ def test_delta_pulls_stay_bit_identical_through_a_skipped_version_and_a_server_r
 
   trainer.step_and_publish()
   st = delta_pull()  # v0 -> v1: deltas, far fewer bytes than a full pull
-  assert st["pieces"].get("full", 0) <= 4 and st["bytes"] < st["full_bytes"] / 3, st  # only fp32 b (4 pieces) goes in full
+  # only the fp32 b (4 pieces: its every element moves) goes in full
+  assert st["pieces"].get("full", 0) <= 4 and st["bytes"] < st["full_bytes"] / 3, st
   assert 0 < st["changed_bytes"] < st["covered_bytes"]
   builds = reader.stats()["delta"]["builds"]
   other = {}  # a second worker pulling the same delta: served from the cache, nothing rebuilt
@@ -114,18 +117,21 @@ def test_corrupted_base_is_caught_by_the_result_crc_and_pulled_in_full(server):
 def test_delta_encoding_picks_the_smallest_and_round_trips():
   rng = np.random.default_rng(1)
   old = rng.normal(0, 0.02, 4096).astype(BF16)
-  cases = {"sparse": old.copy(), "xor_zlib": old.copy(), "full": rng.integers(0, 1 << 16, 4096, np.uint16).view(BF16)}  # noise
-  cases["sparse"][[7, 900]] += BF16.type(0.5)  # two changed elements: positions + values are the smallest
-  cases["xor_zlib"] = (old.astype(np.float32) + rng.normal(0, 2e-4, 4096)).astype(BF16)  # many low-bit changes
+  noise = rng.integers(0, 1 << 16, 4096, np.uint16).view(BF16)
+  cases = {"sparse_zlib": old.copy(), "xor_zlib": old.copy(), "full": noise}
+  cases["sparse_zlib"][rng.integers(0, 4096, 80)] += BF16.type(1e-4)  # 2% changed: positions + XORs win
+  cases["xor_zlib"] = (old.astype(np.float32) + rng.normal(0, 2e-4, 4096)).astype(BF16)  # most changed, low bits
   for want, new in cases.items():
     enc, payload, changed = ps.delta_encode(new.view(np.uint8), old.view(np.uint8), 2)
     assert enc == want and changed == int((new.view(np.uint16) != old.view(np.uint16)).sum())
     out = ps.delta_apply(enc, payload, old.copy(), 2)
     assert np.array_equal(out.view(np.uint16), new.view(np.uint16))
-  with pytest.raises(ValueError, match="sparse payload"):
-    ps.delta_apply("sparse", np.array([5000], "<u4").tobytes() + b"\0\0", old.copy(), 2)
+  with pytest.raises(ValueError, match="sparse payload"):  # a position past the slice
+    ps.delta_apply("sparse_zlib", zlib.compress(np.array([5000], "<u4").tobytes() + b"\0\0"), old.copy(), 2)
   with pytest.raises(ValueError, match="xor payload"):
-    ps.delta_apply("xor_zlib", __import__("zlib").compress(b"\0" * 10), old.copy(), 2)
+    ps.delta_apply("xor_zlib", zlib.compress(b"\0" * 10), old.copy(), 2)
+  with pytest.raises(ValueError, match="expands past"):  # a zip bomb cannot blow up the reader's memory
+    ps.delta_apply("xor_zlib", zlib.compress(b"\0" * 100_000), old.copy(), 2)
 
 
 def test_delta_request_checks_its_arguments(server):
