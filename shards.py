@@ -14,6 +14,10 @@ The JAX side of param_server.py's sharded mode (param_server.py itself stays std
       the slice, so only the needed bytes travel), verifies crcs, fills one host buffer per distinct slice and
       builds the jax.Array with make_array_from_single_device_arrays. Bytes pulled = bytes its devices hold
       (replicated slices once); no full host copy of a tensor it holds only part of.
+  pull(..., base=(manifest, params))      delta sync: the same, but each piece comes as what changed since the
+      version the reader holds (param_server DELTA, built once per version by the server), applied in place on
+      a host copy of the held slice; the result's crc must be the new version's, else that piece is pulled in
+      full (so does a reader that skipped a version, or whose server restarted since).
 
 One server and one process is the S=1 case of the same code. The manifest (JSON):
   {"version", "servers": ["host:port", ...], "config": {HF config}, "sampling": {...},
