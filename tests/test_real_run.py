@@ -1,13 +1,12 @@
 """A real user's run (issue 13): a tiny random HF Qwen2 checkpoint + tokenizer.json with ChatML specials and a
-GSM8K-shaped jsonl of ~200-token prompts (one too long to fit) made here; server, trainer and a worker run as
-separate processes with no length flags. The trainer must skip the long prompt at load (file:line), reach its
-steps (no worker crash loop), log the new metrics, save flags.json, and export a final/ that transformers loads
-with its tokenizer. ~1-2 min on 2 cores."""
+GSM8K-shaped jsonl of ~200-token prompts (one too long to fit) made here, run as a user runs them:
+`launch.sh local --init_checkpoint --train_jsonl --eval_jsonl --template=hf`, no length flags. The trainer must
+skip the long prompt at load (file:line), reach its steps (no worker crash loop), log the new metrics, save
+flags.json, and export a final/ that transformers loads with its tokenizer; pass@k is evaluated before and after.
+~1-2 min on 2 cores."""
 import json
 import os
 import subprocess
-import sys
-import time
 
 import jax
 
@@ -48,39 +47,22 @@ def test_real_checkpoint_gsm8k_jsonl_run(tmp_path):
       n = 700 if i == 3 else 190 + i
       q = " ".join(f"w{(i * 7 + j) % 200}" for j in range(n)) + " ?"
       f.write(json.dumps(dict(question=q, answer=f"w1 w2\n#### {i}")) + "\n")
-  env = child_env()
-  port = free_port()
-  token = str(tmp_path / "token")
-  procs = []
-  try:
-    procs.append(subprocess.Popen([sys.executable, "param_server.py", f"--port={port}", f"--token_file={token}"],
-                                  cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    while not os.path.exists(token):
-      time.sleep(0.1)
-    log = open(tmp_path / "trainer.log", "w")
-    trainer = subprocess.Popen(
-        [sys.executable, "train.py", f"--run_dir={run}", f"--server=127.0.0.1:{port}", f"--token_file={token}",
-         f"--init_checkpoint={ckpt}", f"--tokenizer={ckpt}", f"--train_jsonl={train}", "--template=hf",
-         f"--steps={STEPS}", "--prompts_per_step=2", "--group_size=2", "--max_new_tokens=16", "--lr=1e-4"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    procs.append(trainer)
-    wlog = open(tmp_path / "worker.log", "w")
-    procs.append(subprocess.Popen(
-        [sys.executable, "rollout.py", f"--server=127.0.0.1:{port}", f"--token_file={token}", f"--tokenizer={ckpt}",
-         "--slots=4", "--verifier_workers=1"], cwd=ROOT, env=env, stdout=wlog, stderr=subprocess.STDOUT))
-    rc = trainer.wait(timeout=400)
-    trainer_log = open(tmp_path / "trainer.log").read()
-    assert rc == 0, trainer_log[-3000:]
-    assert procs[2].poll() is None, open(tmp_path / "worker.log").read()[-3000:]  # the worker never died
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.terminate()
-    for p in procs:
-      try:
-        p.wait(timeout=30)
-      except subprocess.TimeoutExpired:
-        p.kill()
+  evalf = str(tmp_path / "eval.jsonl")
+  with open(evalf, "w") as f:
+    for i in range(3):
+      f.write(json.dumps(dict(question=" ".join(f"w{j}" for j in range(180 + i)) + " ?", answer=f"#### {i}")) + "\n")
+  # The user's command: the checkpoint, the data, the chat template; only the budget and size flags are test-sized.
+  cmd = ["bash", "launch.sh", "local", f"--run_dir={run}", f"--init_checkpoint={ckpt}", f"--train_jsonl={train}",
+         f"--eval_jsonl={evalf}", "--template=hf", f"--steps={STEPS}", "--workers=1", "--max_new_tokens=16",
+         f"--port={free_port()}", "--worker_args=--slots=4 --verifier_workers=1",
+         "--", "--prompts_per_step=2", "--group_size=2", "--lr=1e-4"]
+  p = subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                     timeout=600)
+  assert p.returncode == 0, p.stdout[-3000:]
+  trainer_log = open(os.path.join(run, "logs", "trainer0.log")).read()
+  sup = os.path.join(run, "logs", "supervisor.log")
+  assert not os.path.exists(sup) or "worker0 exited" not in open(sup).read()  # the worker never died
+  assert "pass@1" in p.stdout and os.path.exists(os.path.join(run, "eval_after.json")), p.stdout[-2000:]
   assert f"{train}:4" in trainer_log and "skipped 1 of 8" in trainer_log
   recs = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
   assert [r["step"] for r in recs] == list(range(1, STEPS + 1))

@@ -99,20 +99,44 @@ def kill9_and_wait_restart(run, role, proc, sig=signal.SIGKILL):
   wait_until(replaced, 60, f"the {role} restart", proc)
 
 
-def test_kill9_worker_trainer_server_run_completes_exactly_once(tmp_path):
+def start_run(tmp_path, steps, launch_flags=()):
+  """launch.sh local on a tiny random base policy, in its own session (on failure the whole tree is killed)."""
   run = str(tmp_path / "run")
   os.makedirs(run)
   tok = data.load_tokenizer(data.build_task_tokenizer(run, "arithmetic", seed=0))
   tiny_base(run, tok)
-  port = free_port()
-  cmd = ["bash", "launch.sh", "local", f"--run_dir={run}", f"--steps={STEPS}", f"--port={port}", "--skip_eval",
+  cmd = ["bash", "launch.sh", "local", f"--run_dir={run}", f"--steps={steps}", f"--port={free_port()}",
+         "--skip_eval", *launch_flags,
          "--worker_args=--lease_s=6 --slots=8 --chunk_steps=4 --verifier_workers=0",
          "--", "--prompts_per_step=2", "--group_size=4", "--checkpoint_every=2", "--difficulty=1", "--ops=+-",
          "--get_wait_s=0.5", "--rollout_lease_s=60", "--train_size=100", "--prefetch_steps=1"]
   log = open(os.path.join(str(tmp_path), "launch.log"), "w")
-  # Own session: on failure the whole tree (launch.sh and its children) is killed, not just bash.
   proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
                           start_new_session=True)
+  return run, proc, log
+
+
+def finish_run(tmp_path, run, proc, log, steps, victims):
+  """Waits for the run's end (killing everything if it hangs) and checks it: rc 0, DONE at `steps`, each victim
+  restarted by the supervisor, exactly-once accounting."""
+  try:
+    rc = proc.wait(timeout=600)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      kill_roles(run)
+    log.close()
+  out = open(os.path.join(str(tmp_path), "launch.log")).read()
+  assert rc == 0, out[-3000:]
+  assert open(os.path.join(run, "DONE")).read() == str(steps)
+  text = open(os.path.join(run, "logs", "supervisor.log")).read()
+  for role in victims:
+    assert f"{role} exited" in text, text
+  check_exactly_once(run, steps)
+
+
+def test_kill9_worker_trainer_server_run_completes_exactly_once(tmp_path):
+  run, proc, log = start_run(tmp_path, STEPS)
   try:
     workers = ("worker0", "worker1")
     # Each kill happens while the run cannot finish without the victim coming back: the other processes that
@@ -139,36 +163,53 @@ def test_kill9_worker_trainer_server_run_completes_exactly_once(tmp_path):
     signal_roles(run, workers, signal.SIGSTOP)
     kill9_and_wait_restart(run, "server", proc)
     signal_roles(run, workers, signal.SIGCONT)
-    rc = proc.wait(timeout=600)
-  finally:
-    if proc.poll() is None:
-      os.killpg(proc.pid, signal.SIGKILL)
-      kill_roles(run)
-    log.close()
-  out = open(os.path.join(str(tmp_path), "launch.log")).read()
-  assert rc == 0, out[-3000:]
-  assert open(os.path.join(run, "DONE")).read() == str(STEPS)
+  except BaseException:
+    os.killpg(proc.pid, signal.SIGKILL)
+    kill_roles(run)
+    raise
+  finish_run(tmp_path, run, proc, log, STEPS, ("worker0", "trainer0", "server"))
   text = open(os.path.join(run, "logs", "supervisor.log")).read()
-  for role in ("worker0", "trainer0", "server"):
-    assert f"{role} exited" in text, text
   assert "trainer0 exited (rc=0)" in text, text  # the SIGTERMed trainer checkpointed and stopped cleanly
-  check_exactly_once(run)
 
 
-def check_exactly_once(run):
+def test_two_trainer_processes_tp_workers_survive_kill9_of_a_shard_server_and_a_trainer(tmp_path):
+  """The pod layout on one box: 2 gloo trainer processes (each stages its own shards on its own shard server),
+  workers with 2 devices pulling tensor-parallel slices. kill -9 of shard server 1 (its pieces of the current
+  version are gone: the trainer must notice and re-publish) and of trainer process 1 (the supervisor restarts
+  both trainer processes; they resume from the 2-process checkpoint)."""
+  steps = 14
+  run, proc, log = start_run(tmp_path, steps, ["--trainer_procs=2", "--worker_devices=2"])
+  try:
+    workers = ("worker0", "worker1")
+    wait_until(lambda: steps_done(run) >= 3, 500, "step 3", proc)
+    signal_roles(run, workers, signal.SIGSTOP)
+    kill9_and_wait_restart(run, "shard1", proc)
+    signal_roles(run, workers, signal.SIGCONT)
+    wait_until(lambda: steps_done(run) >= 7, 300, "step 7 after the shard server restart", proc)
+    signal_roles(run, workers, signal.SIGSTOP)
+    kill9_and_wait_restart(run, "trainer1", proc)
+    signal_roles(run, workers, signal.SIGCONT)
+  except BaseException:
+    os.killpg(proc.pid, signal.SIGKILL)
+    kill_roles(run)
+    raise
+  finish_run(tmp_path, run, proc, log, steps, ("shard1", "trainer1"))
+
+
+def check_exactly_once(run, steps):
   """The run's ledger: metrics lineage vs the final checkpoint vs what the server persisted."""
   # The surviving lineage: the last record of each step (a step re-run after the trainer restart replaces it).
   lineage, skipped = {}, {}
   for line in open(os.path.join(run, "metrics.jsonl")):
     rec = json.loads(line)
     lineage[rec["step"]], skipped[rec["step"]] = rec["rollout_ids"], rec["skipped_ids"]
-  assert sorted(lineage) == list(range(1, STEPS + 1))
+  assert sorted(lineage) == list(range(1, steps + 1))
   trained = [rid for s in sorted(lineage) for rid in lineage[s]]
-  assert len(trained) == len(set(trained)) == STEPS * 2, "a rollout was trained twice in the final lineage"
+  assert len(trained) == len(set(trained)) == steps * 2, "a rollout was trained twice in the final lineage"
   skipped = [rid for s in sorted(skipped) for rid in skipped[s]]
 
   state = train.read_state(os.path.join(run, "ckpt"))
-  assert state["step"] == STEPS
+  assert state["step"] == steps
   # Exactly once: consumed = trained + skipped (stale / zero-variance), disjoint, nothing consumed untrained.
   # The checkpoint keeps a bounded record (count + the newest generations); the metrics log has every id.
   consumed = trained + skipped
