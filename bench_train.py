@@ -22,6 +22,8 @@ achieved FLOP/s = model FLOPs / best step time; fraction = achieved / measured p
   python bench_train.py                                  # defaults: D=256, L=4, V=2048, B=16, T=128
   python bench_train.py --batch=32 --seq_len=256 --json=train.json
   python bench_train.py --quick                          # tiny smoke run (tests/test_bench.py)
+  python bench_train.py --d_model=512 --n_layers=8 --vocab=32000 --batch=2 --group_size=2 --memory_seq_lens=1024,4096,8192
+                                                         # memory per token: plain / --remat / --logprob_chunk
 """
 import argparse
 import dataclasses
@@ -59,6 +61,11 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=5, help="timed training steps after the warm-up (count)")
   p.add_argument("--seed", type=int, default=0, help="seed for weights and data (int)")
   p.add_argument("--json", default=None, help="write the results as JSON to this path (file)")
+  p.add_argument("--memory_seq_lens", default="", help="comma list of sequence lengths T (tokens): instead of "
+                 "timing, print the compiled step's temporary memory per token (XLA buffer assignment) plain, "
+                 "with --remat, with --logprob_chunk, and both, then exit; '' = time the step")
+  p.add_argument("--logprob_chunk", type=int, default=512, help="chunk (positions) for the memory table's "
+                 "chunked log-prob rows")
   p.add_argument("--quick", action="store_true", help="tiny shapes, 2 steps, kl_coef 0 unless "
                  "--kl_coef; for tests (overrides the shape flags)")
   a = p.parse_args(argv)
@@ -145,6 +152,36 @@ def synthetic_groups(a, rng):
   return groups
 
 
+def memory_table(a, cfg, lcfg, optimizer, params, opt_state, ref_params, n_params):
+  """Temporary bytes per token of the compiled RL step (XLA's buffer assignment on this backend: activations,
+  logits, gradients in flight; params and optimizer state are arguments, not temporaries) for each T, with and
+  without remat and chunked log-probs. Compile only: nothing runs, so 8k-32k fit on a small box."""
+  rows = []
+  print(f"model D={cfg.d_model} L={cfg.n_layers} V={cfg.vocab_size} ({n_params / 1e6:.1f} M params), batch "
+        f"{a.batch} x T, {a.algo} kl_coef={lcfg.kl_coef}; MiB of temporaries per token of the compiled step")
+  print(f"{'T':>6} {'plain':>9} {'remat':>9} {'chunk ' + str(a.logprob_chunk):>11} {'both':>9}  plain/both")
+  for T in (int(x) for x in a.memory_seq_lens.split(",")):
+    batch = {k: jax.ShapeDtypeStruct((a.batch, T), jnp.float32 if k in ("loss_mask", "behaviour_logp",
+                                                                        "token_rewards") else jnp.int32)
+             for k in train.BATCH_KEYS if k != "advantages"}
+    batch["advantages"] = jax.ShapeDtypeStruct((a.batch,), jnp.float32)
+    per = []
+    for remat, chunk in ((False, 0), (True, 0), (False, a.logprob_chunk), (True, a.logprob_chunk)):
+      fn = lambda p, r, b, remat=remat, chunk=chunk: train.rl_loss(  # noqa: E731
+          p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0, compute_dtype=jnp.float32, attn_impl="auto",
+          value_coef=0.5, remat=remat, logprob_chunk=chunk)
+      step = jax.jit(train.make_train_step(optimizer, fn, 1), donate_argnums=(0, 1))
+      mem = step.lower(params, opt_state, ref_params, batch).compile().memory_analysis()
+      per.append(mem.temp_size_in_bytes / (a.batch * T))
+    rows.append(dict(seq_len=T, temp_bytes_per_token=dict(zip(("plain", "remat", "chunk", "both"), per))))
+    print(f"{T:>6} " + " ".join(f"{x / 2**20:>9.3f}" for x in per[:2]) + f" {per[2] / 2**20:>11.3f} "
+          f"{per[3] / 2**20:>9.3f}  {per[0] / per[3]:.1f}x")
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump(rows, f, indent=1)
+  return rows
+
+
 def main(argv=None):
   a = parse_args(argv)
   rng = np.random.default_rng(a.seed)
@@ -171,6 +208,9 @@ def main(argv=None):
   batch, _, _ = train.rl_batch(synthetic_groups(a, rng), lcfg, 0, (T,), T // 2)
   assert batch["tokens"].shape == (B, T), batch["tokens"].shape
   batch = jax.tree.map(jnp.asarray, batch)
+
+  if a.memory_seq_lens:
+    return memory_table(a, cfg, lcfg, optimizer, params, opt_state, ref_params, n_params)
 
   t = time.perf_counter()
   params, opt_state, m = step(params, opt_state, ref_params, batch)

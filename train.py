@@ -108,6 +108,10 @@ def define_flags():
   flags.DEFINE_float("rollout_lease_s", 600.0, "Rollout lease on the server, seconds (must outlast checkpoint_every "
                      "steps). Default 600.")
   flags.DEFINE_string("attn_impl", "auto", "Attention path: auto, ref or pallas. Default auto.")
+  flags.DEFINE_bool("remat", False, "Recompute each layer's activations in the backward pass (keeps only the "
+                    "per-layer residual [B,T,D]; ~1/3 more step FLOPs). Default False.")
+  flags.DEFINE_integer("logprob_chunk", 0, "Sequence positions per chunk of the log-prob/entropy computation, so the "
+                       "fp32 [B,T,V] logits are never formed (0 = whole sequence at once). Default 0.", lower_bound=0)
   flags.DEFINE_integer("server_retries", 30, "Reconnect attempts (exponential backoff, max 2 s apart) before giving up on "
                        "the server. Default 30.")
   flags.DEFINE_string("mesh", "1,1,-1", "data,fsdp,tensor mesh shape; one -1 takes the remaining devices. Default 1,1,-1.")
@@ -184,27 +188,41 @@ def _microbatches(batch, n):
   return jax.tree.map(lambda x: x.reshape(n, b // n, *x.shape[1:]), batch)
 
 
-def policy_logp(trainable, batch, *, cfg, temperature, compute_dtype, attn_impl):
-  """The trainer's log-probs of batch["targets"] and the final hidden state: the one forward rl_loss differentiates
-  and make_train_step calls once (no gradient) for the proximal policy of PPO epochs."""
-  p = jax.tree.map(lambda x: x.astype(compute_dtype), trainable["policy"])
-  h = model.forward_hidden(p, cfg, batch["tokens"], batch["positions"], batch["segment_ids"], attn_impl=attn_impl)
-  logp, ent = losses.token_logprobs_and_entropy(model.logits_from_hidden(p, cfg, h), batch["targets"], temperature)
+def score(p, cfg, batch, *, temperature, attn_impl, remat=False, logprob_chunk=0):
+  """(logp, entropy) [B,T] of batch["targets"] under params p, and the final hidden state [B,T,D].
+  remat: each layer's activations are recomputed in the backward pass (only the per-layer residual is kept).
+  logprob_chunk: the log-softmax runs over chunks of that many positions, each recomputed in the backward, so the
+  fp32 [B,T,V] logits (the largest activation for real vocabularies: 8 x 8192 x 152k x 4 B = 40 GB) is never
+  formed; 0 = the whole sequence at once."""
+  h = model.forward_hidden(p, cfg, batch["tokens"], batch["positions"], batch["segment_ids"], attn_impl=attn_impl,
+                           remat=remat)
+  if logprob_chunk:
+    logp, ent = losses.chunked_token_logprobs(h, lambda hc: model.logits_from_hidden(p, cfg, hc), batch["targets"],
+                                              logprob_chunk, temperature)
+  else:
+    logp, ent = losses.token_logprobs_and_entropy(model.logits_from_hidden(p, cfg, h), batch["targets"], temperature)
   return logp, ent, h
 
 
+def policy_logp(trainable, batch, *, cfg, temperature, compute_dtype, attn_impl, remat=False, logprob_chunk=0):
+  """The trainer's log-probs of batch["targets"] and the final hidden state: the one forward rl_loss differentiates
+  and make_train_step calls once (no gradient) for the proximal policy of PPO epochs."""
+  p = jax.tree.map(lambda x: x.astype(compute_dtype), trainable["policy"])
+  return score(p, cfg, batch, temperature=temperature, attn_impl=attn_impl, remat=remat, logprob_chunk=logprob_chunk)
+
+
 def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dtype, attn_impl, value_coef,
-            gae_gamma=1.0, gae_lambda=1.0):
+            gae_gamma=1.0, gae_lambda=1.0, remat=False, logprob_chunk=0):
   """trainable = {"policy": params, "value": value head or None}. Returns (loss, metrics).
   batch["prox_logp"], when present (PPO epochs/minibatches, make_train_step), is the proximal policy of the clip:
   ratio pi_theta / pi_prox, and TIS (if tis_cap) weighs pi_prox / mu with mu = batch["behaviour_logp"]."""
-  tok, pos, seg, mask = batch["tokens"], batch["positions"], batch["segment_ids"], batch["loss_mask"]
+  mask = batch["loss_mask"]
   logp, ent, h = policy_logp(trainable, batch, cfg=cfg, temperature=temperature, compute_dtype=compute_dtype,
-                             attn_impl=attn_impl)
+                             attn_impl=attn_impl, remat=remat, logprob_chunk=logprob_chunk)
   ref_logp = None
-  if ref_params is not None:
-    ref_logits = model.forward(ref_params, cfg, tok, pos, seg, attn_impl=attn_impl)
-    ref_logp = jax.lax.stop_gradient(losses.token_logprobs(ref_logits, batch["targets"], temperature))
+  if ref_params is not None:  # no gradient flows here, so remat would only add work; chunking still saves memory
+    ref_logp = jax.lax.stop_gradient(score(ref_params, cfg, batch, temperature=temperature, attn_impl=attn_impl,
+                                           logprob_chunk=logprob_chunk)[0])
   adv, extra = batch["advantages"], {}
   if trainable["value"] is not None:
     # PPO with a value head on the shared trunk: V(s_t) predicts the return of the sequence from position t;
@@ -764,9 +782,11 @@ def run_rl():
   loss_fn = lambda p, r, b: rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=FLAGS.temperature,  # noqa: E731
                                     compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl,
                                     value_coef=FLAGS.value_coef, gae_gamma=FLAGS.gae_gamma,
-                                    gae_lambda=FLAGS.gae_lambda)
+                                    gae_lambda=FLAGS.gae_lambda, remat=FLAGS.remat,
+                                    logprob_chunk=FLAGS.logprob_chunk)
   prox_fn = lambda p, b: policy_logp(p, b, cfg=cfg, temperature=FLAGS.temperature,  # noqa: E731
-                                     compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl)[0]
+                                     compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl,
+                                     logprob_chunk=FLAGS.logprob_chunk)[0]
   # Pin the outputs to the inputs' shardings: XLA would otherwise leave updated params/moments replicated.
   shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
   train_step = jax.jit(make_train_step(optimizer, loss_fn, FLAGS.grad_accum, epochs=FLAGS.ppo_epochs,
