@@ -487,6 +487,21 @@ def write_flags_once(run_dir, name="flags.json"):
     os.rename(path + ".tmp", path)
 
 
+def training_prompts(cfg, tok, flags_file):
+  """(encode, the training prompts that fit, the longest kept prompt's length, batch buckets); saves the run's
+  flags once (process 0). A prompt that cannot fit is refused here (logged with file:line), never handed to a
+  worker."""
+  encode = prompt_encoder(tok)
+  problems, skipped, max_prompt = data.fit_prompts(problems_for_training(), encode, FLAGS.max_new_tokens,
+                                                   seq_budget(cfg))
+  if not problems:
+    raise app.UsageError(f"no training prompt fits: all {len(skipped)} exceed max_seq_len {seq_budget(cfg)} - "
+                         f"max_new_tokens {FLAGS.max_new_tokens}")
+  if jax.process_index() == 0:
+    write_flags_once(FLAGS.run_dir, flags_file)
+  return encode, problems, max_prompt, buckets_for(max_prompt + FLAGS.max_new_tokens)
+
+
 def rl_batch(groups, lcfg, pad_id, buckets, max_new_tokens):
   """Rollout groups -> host batch dict (numpy), rewards [P,G], completion lengths [P,G].
 
@@ -555,16 +570,7 @@ def run_sft():
   params = model.shard_params(model.init_params(cfg, jax.random.PRNGKey(FLAGS.seed)), cfg, mesh)
   opt = make_optimizer(FLAGS.sft_lr, FLAGS.warmup_steps, FLAGS.sft_steps, FLAGS.weight_decay, FLAGS.grad_clip)
   opt_state = opt.init(params)
-  encode = prompt_encoder(tok)
-  # A prompt that cannot fit is refused here (logged with file:line), never handed to a worker.
-  problems, skipped, max_prompt = data.fit_prompts(problems_for_training(), encode, FLAGS.max_new_tokens,
-                                                   seq_budget(cfg))
-  if not problems:
-    raise app.UsageError(f"no training prompt fits: all {len(skipped)} exceed max_seq_len {seq_budget(cfg)} - "
-                         f"max_new_tokens {FLAGS.max_new_tokens}")
-  buckets = buckets_for(max_prompt + FLAGS.max_new_tokens)
-  if jax.process_index() == 0:
-    write_flags_once(FLAGS.run_dir, "sft_flags.json")
+  _, problems, _, buckets = training_prompts(cfg, tok, "sft_flags.json")
   stream = data.PromptStream(problems, seed=FLAGS.seed)
   bsh = NamedSharding(mesh, P(("data", "fsdp")))
 
@@ -755,16 +761,7 @@ def run_rl():
   # same dtype would alias the donated params buffers.
   ref_params = (jax.tree.map(lambda x: jnp.array(x, compute_dtype, copy=True), policy)
                 if lcfg.kl_coef > 0 else None)
-  encode = prompt_encoder(tok)
-  # A prompt that cannot fit is refused here (logged with file:line), never handed to a worker.
-  problems, skipped, max_prompt = data.fit_prompts(problems_for_training(), encode, FLAGS.max_new_tokens,
-                                                   seq_budget(cfg))
-  if not problems:
-    raise app.UsageError(f"no training prompt fits: all {len(skipped)} exceed max_seq_len {seq_budget(cfg)} - "
-                         f"max_new_tokens {FLAGS.max_new_tokens}")
-  buckets = buckets_for(max_prompt + FLAGS.max_new_tokens)
-  if lead:
-    write_flags_once(FLAGS.run_dir)
+  encode, problems, max_prompt, buckets = training_prompts(cfg, tok, "flags.json")
   stream = data.PromptStream(problems, seed=FLAGS.seed)
   tracker = data.PassRateTracker()
   # The trainer draws no random numbers of its own: data order is the stream's state (saved below) and sampling
