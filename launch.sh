@@ -22,7 +22,9 @@
 #   --tokenizer=PATH (default: the checkpoint dir) --train_jsonl=F --eval_jsonl=F --port=free
 #   --max_new_tokens=8 (demo) / 1024 (real model) --template=plain --worker_args="--lease_s=30 ..."
 #   --skip_eval --eval_builtin (a real model evaluated on the demo's arithmetic, explicitly);
-#   anything after "--" goes to train.py.
+#   --seed=0 (SFT init, training problems and data order; part of the run's identity)
+#   --chaos / --no_chaos (default: on for the demo, off otherwise: worker0 SIGKILLed and the trainer SIGTERMed
+#   mid-run, see chaos()); --print_settings (what the run would use, then exit); anything after "--" goes to train.py.
 # Layout of a run dir: run.json (the run's identity and flags), ports, logs/<role>.log, pids/<role>.pid, token
 # (server secret), tokenizer-arithmetic.model, base/ (HF checkpoint of the warm-started policy), ckpt/ (trainer),
 # server/ (server persistence), jax_cache/ (compiled programs), final/, eval_*.json; STOP while stopping.
@@ -49,10 +51,16 @@ setup_venv() {
 
 RUN_DIR=runs/local; WORKERS=2; TRAINER_PROCS=1; WORKER_DEVICES=1; PORT=""; STEPS=""; INIT_CKPT=""; TOKENIZER=""
 TRAIN_JSONL=""; EVAL_JSONL=""; EXTRA=(); WORKER_ARGS=""; SKIP_EVAL=0; EVAL_BUILTIN=0; MAX_NEW=""; TEMPLATE=plain
+SEED=0; CHAOS=""; PRINT_SETTINGS=0
 parse_local_flags() {
   while [ $# -gt 0 ]; do
     case "$1" in
       --run_dir=*) RUN_DIR="${1#*=}" ;;
+      --seed=*) SEED="${1#*=}"
+        [[ "$SEED" =~ ^[0-9]+$ ]] || { echo "launch.sh local: --seed must be a non-negative integer, got '$SEED'" >&2; exit 2; } ;;
+      --chaos) CHAOS=1 ;;
+      --no_chaos) CHAOS=0 ;;
+      --print_settings) PRINT_SETTINGS=1 ;;
       --workers=*) WORKERS="${1#*=}" ;;
       --trainer_procs=*) TRAINER_PROCS="${1#*=}" ;;
       --worker_devices=*) WORKER_DEVICES="${1#*=}" ;;
@@ -88,6 +96,58 @@ REAL_EVAL_FLAGS=(--eval_n=200 --k=8 --temperature=1.0)
 REAL_MAX_NEW=1024  # completion budget of a real model (tokens) unless --max_new_tokens; the demo's is 8
 
 is_demo() { [ -z "$INIT_CKPT" ] && [ -z "$TRAIN_JSONL" ]; }
+
+# What a local run's numbers rely on, set here whatever the caller's shell holds: the trainer's mesh follows the
+# device count (8 fake CPU devices change the reduction order, and so where the demo's short SFT lands: base pass@8
+# 63.6% vs 74.2% on one machine), and x64 / default-precision switches change every matmul. The demo is CPU by
+# definition; a real run keeps the caller's JAX_PLATFORMS (a TPU VM). Workers get their own device count below.
+pin_env() {
+  unset JAX_ENABLE_X64 JAX_DEFAULT_MATMUL_PRECISION JAX_DEFAULT_DTYPE_BITS JAX_NUM_CPU_DEVICES JAX_TRACEBACK_FILTERING
+  export XLA_FLAGS="--xla_force_host_platform_device_count=1" PYTHONHASHSEED=0 PYTHONUNBUFFERED=1
+  export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+  if is_demo; then export JAX_PLATFORMS=cpu; else export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"; fi
+}
+
+print_settings() {  # what the run uses, as its processes see it (tests/test_demo.py compares it across shells)
+  echo "seed=$SEED chaos=$CHAOS run_dir=$RUN_DIR"
+  echo "task: ${DEMO_TASK_FLAGS[*]}"; echo "sft: ${DEMO_SFT_FLAGS[*]}"; echo "rl: ${rl_flags[*]}"
+  echo "eval: ${eval_flags[*]}"
+  env | grep -E '^(JAX_|XLA_|OMP_|MKL_|OPENBLAS_|PYTHONHASHSEED)' | sort
+  "$PY" -c "import jax; print('jax devices:', jax.device_count(), jax.default_backend())"
+}
+
+# chaos: the demo's live preemption. At 30% of the steps worker0 gets SIGKILL, at 60% the trainer gets SIGTERM (a
+# TPU preemption notice: it checkpoints and exits); the supervisor restarts both. Each event (down, back) is
+# printed and appended to $RUN_DIR/events.jsonl, which plot.py draws.
+current_step() { tail -n 1 "$RUN_DIR/metrics.jsonl" 2>/dev/null | sed -n 's/^{"step": \([0-9]*\).*/\1/p'; }
+chaos_event() {  # ROLE WHAT PID
+  local step; step=$(current_step)
+  echo "chaos: $(date -u +%H:%M:%S) step ${step:-0}: $1 $2 (pid $3)"
+  printf '{"time": %s, "step": %s, "role": "%s", "event": "%s", "pid": %s}\n' "$(date +%s)" "${step:-0}" "$1" "$2" \
+    "$3" >>"$RUN_DIR/events.jsonl"
+}
+chaos() {  # TOTAL_STEPS
+  local role sig tenths pid new step
+  for spec in "worker0 KILL 3" "trainer0 TERM 6"; do
+    read -r role sig tenths <<<"$spec"
+    while step=$(current_step); [ "${step:-0}" -lt $(( $1 * tenths / 10 )) ]; do
+      [ -f "$RUN_DIR/DONE" ] || [ -f "$RUN_DIR/STOP" ] && return; sleep 1
+    done
+    pid=$(cat "$RUN_DIR/pids/$role.pid")
+    kill -"$sig" "$pid" 2>/dev/null && chaos_event "$role" "down (SIG$sig)" "$pid"
+    while new=$(cat "$RUN_DIR/pids/$role.pid" 2>/dev/null); [ "${new:-$pid}" = "$pid" ]; do
+      [ -f "$RUN_DIR/DONE" ] || [ -f "$RUN_DIR/STOP" ] && return; sleep 1
+    done
+    chaos_event "$role" "back (restarted by the supervisor)" "$new"
+  done
+}
+
+# The run's step count: --steps, else the last --steps among the RL flags and those after -- (absl takes the last).
+total_steps() {
+  local n="" a
+  for a in "${rl_flags[@]}" "${EXTRA[@]}"; do [[ "$a" == --steps=* ]] && n="${a#*=}"; done
+  echo "${STEPS:-$n}"
+}
 die() { echo "launch.sh: $*" >&2; exit 2; }
 
 # Refuse what would silently produce a wrong run: missing files, a real run evaluated on the demo's arithmetic.
@@ -110,13 +170,13 @@ check_local_inputs() {
 # --steps is not part of it: extending a run is a resume.
 check_run_identity() {
   local ident f="$RUN_DIR/run.json"
-  ident=$("$PY" - "$INIT_CKPT" "$TOKENIZER" "$TRAIN_JSONL" "$EVAL_JSONL" "$TEMPLATE" "$MAX_NEW" "${EXTRA[@]}" <<'PYEOF'
+  ident=$("$PY" - "$INIT_CKPT" "$TOKENIZER" "$TRAIN_JSONL" "$EVAL_JSONL" "$TEMPLATE" "$MAX_NEW" "$SEED" "${EXTRA[@]}" <<'PYEOF'
 import hashlib, json, os, sys
-ck, tok, tr, ev, tpl, mx, *extra = sys.argv[1:]
+ck, tok, tr, ev, tpl, mx, seed, *extra = sys.argv[1:]
 def fid(p):
   return {"path": os.path.abspath(p), "sha1": hashlib.sha1(open(p, "rb").read()).hexdigest()} if p else None
 print(json.dumps(dict(init_checkpoint=os.path.abspath(ck) if ck else "demo", tokenizer=os.path.abspath(tok),
-                      train_jsonl=fid(tr), eval_jsonl=fid(ev), template=tpl, max_new_tokens=int(mx),
+                      train_jsonl=fid(tr), eval_jsonl=fid(ev), template=tpl, max_new_tokens=int(mx), seed=int(seed),
                       train_flags=extra), sort_keys=True))
 PYEOF
 )
@@ -232,13 +292,11 @@ supervise() {  # restart any child that died until the trainer writes DONE or so
 run_local() {
   parse_local_flags "$@"
   check_local_inputs
+  pin_env
+  [ -z "$CHAOS" ] && { is_demo && CHAOS=1 || CHAOS=0; }
   setup_venv requirements.txt
-  mkdir -p "$RUN_DIR/logs" "$RUN_DIR/pids"
-  rm -f "$RUN_DIR/STOP"
-  echo $$ >"$RUN_DIR/launch.pid"  # `launch.sh stop` signals this supervisor, which stops the roles in order
   # A restarted worker or trainer reads its compiled programs from here instead of recompiling (see README).
-  export PYTHONUNBUFFERED=1 JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" \
-    JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$RUN_DIR/jax_cache}" \
+  export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$RUN_DIR/jax_cache}" \
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
   local rl_flags=("${DEMO_TASK_FLAGS[@]}" "${DEMO_RL_FLAGS[@]}") eval_flags=("${DEMO_EVAL_FLAGS[@]}")
   if is_demo; then MAX_NEW="${MAX_NEW:-8}"
@@ -249,6 +307,11 @@ run_local() {
     [ -z "$TRAIN_JSONL" ] && rl_flags+=("${DEMO_TASK_FLAGS[@]}")
     [ $EVAL_BUILTIN = 1 ] && eval_flags=("${DEMO_EVAL_FLAGS[@]}")
   fi
+  rl_flags+=(--seed="$SEED")
+  [ $PRINT_SETTINGS = 1 ] && { print_settings; return; }
+  mkdir -p "$RUN_DIR/logs" "$RUN_DIR/pids"
+  rm -f "$RUN_DIR/STOP"
+  echo $$ >"$RUN_DIR/launch.pid"  # `launch.sh stop` signals this supervisor, which stops the roles in order
   local t_start=$SECONDS
   [ -z "$TOKENIZER" ] && [ -n "$INIT_CKPT" ] && TOKENIZER="$INIT_CKPT"  # a real checkpoint ships its tokenizer
   if [ -z "$TOKENIZER" ]; then
@@ -260,7 +323,7 @@ run_local() {
   local base="${INIT_CKPT:-$RUN_DIR/base}"
   if [ ! -f "$base/config.json" ]; then
     echo "== supervised warm-start of the base policy -> $base (log: $RUN_DIR/logs/sft.log)"
-    "$PY" train.py --mode=sft --run_dir="$RUN_DIR" --tokenizer="$TOKENIZER" "${DEMO_TASK_FLAGS[@]}" "${DEMO_SFT_FLAGS[@]}" \
+    "$PY" train.py --mode=sft --run_dir="$RUN_DIR" --tokenizer="$TOKENIZER" "${DEMO_TASK_FLAGS[@]}" "${DEMO_SFT_FLAGS[@]}" --seed="$SEED" \
       >"$RUN_DIR/logs/sft.log" 2>&1 || { tail -20 "$RUN_DIR/logs/sft.log"; exit 1; }
   fi
   eval_flags+=(--max_new_tokens="$MAX_NEW" --template="$TEMPLATE")
@@ -311,26 +374,36 @@ run_local() {
     # --pid ends it with this script even if we are SIGKILLed.
     tail -n 0 -F --pid=$$ "$RUN_DIR/logs/trainer0.log" 2>/dev/null > >(tr '\r' '\n' | grep --line-buffered -E "it/s|s/it") &
     TAIL_PID=$!
+    local chaos_pid=""
+    if [ "$CHAOS" = 1 ]; then chaos "$(total_steps)" & chaos_pid=$!; fi
     supervise
+    [ -n "$chaos_pid" ] && kill "$chaos_pid" 2>/dev/null || true
     stop_all
     trap - INT TERM
     [ -f "$RUN_DIR/DONE" ] || { echo "== stopped before the last step (checkpointed); rerun the same command to resume"; return; }
   fi
-  [ $SKIP_EVAL = 1 ] && { echo "== done (eval skipped): $RUN_DIR/final"; return; }
+  [ $SKIP_EVAL = 1 ] && { run_plot; echo "== done (eval skipped): $RUN_DIR/final"; return; }
   echo "== pass@k of the trained policy on the same held-out problems"
   run_eval "$RUN_DIR/final" after
   "$PY" - "$RUN_DIR" $((SECONDS - t_start)) <<'EOF'
 import json, sys
 d, secs = sys.argv[1], int(sys.argv[2])
 b, a = (json.load(open(f"{d}/eval_{x}.json")) for x in ("before", "after"))
-ks = [k for k in b if k.startswith("pass@")]
+ks = [k for k in b if k.startswith("pass@") and not k.endswith("_se")]
+se = lambda r, k: f"{100 * r[k + '_se']:.1f}" if k + "_se" in r else "?"
 print(f"\nheld-out problems: {b['n_problems']}, {b['n_samples']} samples each, temperature {b['temperature']}")
-print(f"{'metric':<8} {'before':>8} {'after':>8} {'delta':>8}")
+print(f"{'metric':<8} {'before':>8} {'after':>8} {'delta':>8}   standard error over problems (before, after)")
 for k in ks:
-  print(f"{k:<8} {100 * b[k]:>7.1f}% {100 * a[k]:>7.1f}% {100 * (a[k] - b[k]):>+7.1f}")
+  print(f"{k:<8} {100 * b[k]:>7.1f}% {100 * a[k]:>7.1f}% {100 * (a[k] - b[k]):>+7.1f}   {se(b, k)}, {se(a, k)}")
 print(f"wall time of this launch: {secs // 60} min {secs % 60} s")
 EOF
+  # CPU time beside wall time: on a shared machine the wall time is inflated, the CPU time much less so.
+  echo "cpu time of its processes (user, sys): $(times | tail -n 1); load average now: $(cut -d' ' -f1-3 /proc/loadavg)"
+  run_plot
 }
+
+# The run's curves, preemption events and exactly-once check (plot.py prints the PNG's path).
+run_plot() { "$PY" plot.py "$RUN_DIR" || echo "launch.sh: plot.py failed (the run itself is fine)" >&2; }
 
 # eval CHECKPOINT before|after: pass@k into eval_<when>.json; a failure names the log and shows its last lines.
 run_eval() {

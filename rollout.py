@@ -243,7 +243,11 @@ def evaluate(cfg, params, tok, problems, *, n_samples, ks, sc, slots, seed, temp
   probs = [by_id[pid] for pid in pids for _ in range(n_samples)]
   scores = pool.score(probs, comps) if pool else [data.verify(p, c) for p, c in zip(probs, comps)]
   correct = np.asarray(scores).reshape(len(pids), n_samples) > 0.5
-  out = {f"pass@{k}": float(np.mean([pass_at_k(n_samples, int(c.sum()), k) for c in correct])) for k in ks}
+  out = {}
+  for k in ks:  # the mean over problems and its standard error (the problems are the independent draws)
+    per = np.asarray([pass_at_k(n_samples, int(c.sum()), k) for c in correct])
+    out[f"pass@{k}"] = float(per.mean())
+    out[f"pass@{k}_se"] = float(per.std(ddof=1) / np.sqrt(len(per))) if len(per) > 1 else 0.0
   out.update(n_problems=len(pids), n_samples=n_samples, temperature=sc.temperature, seconds=time.time() - t0,
              examples=[(probs[i].prompt, comps[i]) for i in range(0, min(len(comps), 5 * n_samples), n_samples)])
   return out

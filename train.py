@@ -78,6 +78,12 @@ def define_flags():
   flags.DEFINE_integer("prefetch_steps", 2, "Steps worth of prompts kept issued ahead of training. Default 2.")
   flags.DEFINE_integer("max_staleness", 4, "Max policy-version lag of a trained rollout. Default 4.")
   flags.DEFINE_bool("dynamic_sampling", False, "Drop zero-variance groups and refill (DAPO). Default False.")
+  flags.DEFINE_integer("curate_prompts", 0, "Offline curation before RL (the paper's pass-rate band): this many "
+                       "training prompts get group_size samples of the base policy through the workers (scored, "
+                       "never trained on); RL then draws only from those inside --pass_band. 0 = off. Default 0.")
+  flags.DEFINE_string("pass_band", "", "low,high pass rates: keep prompts with low < rate < high, offline "
+                      "(--curate_prompts) and online (a prompt whose tracked pass rate left the band is not issued "
+                      "again). Empty = off. Default empty.")
   flags.DEFINE_integer("max_new_tokens", 8, "Workers' completion budget in tokens, sent with the weights (also DAPO "
                        "overlong shaping). Default 8.")
   flags.DEFINE_integer("ppo_epochs", 1, "Passes over each batch (PPO epochs); >1 recomputes the proximal log-probs "
@@ -147,6 +153,12 @@ def define_flags():
       ("weight_decay", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
       ("value_coef", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
+  flags.register_validator("curate_prompts", lambda v: v >= 0, message="--curate_prompts must be >= 0 (0 = off)")
+  flags.register_validator("pass_band", lambda v: parse_band(v) is not None or not v,
+                           message="--pass_band must be 'low,high' with 0 <= low < high <= 1, or empty (off)")
+  flags.register_multi_flags_validator(
+      ["curate_prompts", "pass_band"], lambda f: not f["curate_prompts"] or f["pass_band"],
+      message="--curate_prompts needs a --pass_band (e.g. 0,1: drop never- and always-solved prompts)")
   flags.register_multi_flags_validator(
       ["group_size", "dynamic_sampling"], lambda f: f["group_size"] >= 2 or not f["dynamic_sampling"],
       message="--dynamic_sampling needs --group_size >= 2 (a group of 1 always has zero variance: every group "
@@ -487,6 +499,34 @@ def write_flags_once(run_dir, name="flags.json"):
     os.rename(path + ".tmp", path)
 
 
+def parse_band(spec):
+  """--pass_band "low,high" -> (low, high) with 0 <= low < high <= 1; None when empty or malformed."""
+  try:
+    low, high = (float(x) for x in spec.split(","))
+  except ValueError:
+    return None
+  return (low, high) if 0.0 <= low < high <= 1.0 else None
+
+
+def in_band(tracker, pid, band, min_samples):
+  """Online curation: is prompt pid still worth issuing? Unknown or barely sampled prompts are; otherwise its
+  recent (EMA) pass rate must lie strictly inside the band (the paper drops always- and never-solved prompts)."""
+  st = tracker.stats.get(pid)
+  if band is None or st is None or st[0] < min_samples:
+    return True
+  return band[0] < tracker.ema_rate(pid) < band[1]
+
+
+def keep_ids(problems, ids):
+  """The problems whose id is in ids (the curated set a checkpoint recorded), in their original order."""
+  ids = set(ids)
+  kept = [p for p in problems if p.id in ids]
+  if len(kept) != len(ids):
+    raise ValueError(f"the checkpoint's curated set has {len(ids)} prompt ids, only {len(kept)} are in this run's "
+                     "training problems (another --train_jsonl, --task or --seed?)")
+  return kept
+
+
 def training_prompts(cfg, tok, flags_file):
   """(encode, the training prompts that fit, the longest kept prompt's length, batch buckets); saves the run's
   flags once (process 0). A prompt that cannot fit is refused here (logged with file:line), never handed to a
@@ -772,6 +812,8 @@ def run_rl():
   got = ckpt.restore(params, opt_state)  # onto this run's mesh, whatever mesh wrote it
   if got:
     params, opt_state, state = got
+    if state.get("curated") is not None:  # curated before RL: resume over the same kept problems
+      stream = data.PromptStream(keep_ids(problems, state["curated"]), seed=FLAGS.seed)
     stream.load_state_dict(state.pop("stream"))
     tracker.load_state_dict(state.pop("pass_rates"))
     ledger.load_state_dict(state.pop("consumed"))
@@ -827,10 +869,58 @@ def run_rl():
       if lead:
         ledger.committed(client)
 
+  def curate():
+    """Offline curation through the workers at the base weights: group_size samples of each of the first
+    --curate_prompts training prompts (ids c<i>, scored, never trained on); returns the prompts inside the band.
+    Their rates also seed the tracker, so the online band starts from them."""
+    cand = stream.problems[:FLAGS.curate_prompts]
+    keep = np.zeros(len(cand), np.int32)
+    if lead:
+      t = time.time()
+      for s in range(0, len(cand), 256):  # bounded frames
+        client.put("prompts", [prompt_item(f"c{i}", p) for i, p in enumerate(cand[s:s + 256], s)])
+      seen = set()
+      bar_c = tqdm(total=len(cand), desc="curation: base pass rates", dynamic_ncols=True, mininterval=1.0)
+      while len(seen) < len(cand):
+        if stop.requested:  # nothing trained yet: the restarted trainer curates again
+          raise SystemExit("stopped during curation")
+        for it in client.get("rollouts", max_items=64, wait_s=FLAGS.get_wait_s, lease_s=FLAGS.rollout_lease_s):
+          if it["id"].startswith("c") and it["id"] not in seen:
+            seen.add(it["id"])
+            tracker.update(it["prompt_id"], it["rewards"])
+            bar_c.update(1)
+          client.ack("rollouts", [it["id"]])
+      bar_c.close()
+      rates = {p.id: tracker.rate(p.id) for p in cand}
+      kept_ids = {p.id for p in data.filter_by_pass_rate(cand, rates, *band)}
+      keep[:] = [p.id in kept_ids for p in cand]
+      data.write_jsonl(os.path.join(FLAGS.run_dir, "curated.jsonl"), cand, rates)
+      r = np.asarray(list(rates.values()))
+      rec = dict(step=0, curation_prompts=len(cand), curation_kept=int(keep.sum()), curation_s=time.time() - t,
+                 curation_mean_rate=float(r.mean()), curation_never=float((r == 0).mean()),
+                 curation_always=float((r == 1).mean()))
+      logging.info("curation: %s", rec)
+      metrics.write(rec)
+    if jax.process_count() > 1:
+      keep = np.asarray(multihost_utils.broadcast_one_to_all(keep))
+    kept = [p for p, k in zip(cand, keep) if k]
+    if not kept:
+      raise ValueError(f"curation: none of {len(cand)} prompts has a base pass rate inside --pass_band={band}")
+    return kept
+
+  def next_in_band():
+    # At most one pass over the stream is skipped, so a band that nothing is inside cannot stall the run.
+    for _ in range(len(stream.problems)):
+      p = stream.next()
+      if in_band(tracker, p.id, band, FLAGS.group_size):
+        return p
+      state["band_skipped"] += 1
+    return p
+
   def issue(target):
     items = []
     while state["issued"] - len(ledger) < target:
-      p = stream.next()
+      p = next_in_band()
       items.append(prompt_item(f"s{state['seq']}", p))
       state["seq"] += 1
       state["issued"] += 1
@@ -849,9 +939,15 @@ def run_rl():
   sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
                   max_new_tokens=FLAGS.max_new_tokens, max_prompt_len=max_prompt)
   publish()
+  from tqdm import tqdm
+  band = parse_band(FLAGS.pass_band)
+  state.setdefault("band_skipped", 0)
+  if FLAGS.curate_prompts and state.get("curated") is None:
+    kept = curate()
+    state["curated"] = [p.id for p in kept]
+    stream = data.PromptStream(kept, seed=FLAGS.seed)
   bar = None
   if lead:
-    from tqdm import tqdm
     bar = tqdm(total=FLAGS.steps, initial=state["step"], desc=f"{FLAGS.algo}", dynamic_ncols=True,
                mininterval=1.0, miniters=1)
   P_ = FLAGS.prompts_per_step
@@ -865,6 +961,9 @@ def run_rl():
         for it in client.get("rollouts", max_items=P_ - len(groups), wait_s=FLAGS.get_wait_s,
                              lease_s=FLAGS.rollout_lease_s):
           rid = it["id"]
+          if rid.startswith("c"):  # a curation rollout from before a trainer restart: already counted
+            client.ack("rollouts", [rid])
+            continue
           seen = ledger.lease(rid)
           if seen != "new":
             if seen == "acked_dup":  # recorded by a checkpoint but not acked before a crash
@@ -927,6 +1026,7 @@ def run_rl():
                  completion_len=float(lengths.mean()), staleness_mean=float(lag.mean()),
                  staleness_max=int(lag.max()), stale_dropped=n_stale,
                  zero_var_dropped=n_dropped, duplicates_skipped=n_dup, quarantined=len(state["quarantined"]),
+                 band_skipped=state["band_skipped"],
                  wait_s=wait_s, step_s=step_s,
                  push_s=push_s, tokens_per_s=float(batch["loss_mask"].sum()) / max(step_s, 1e-9),
                  version=state["version"], rollout_ids=[g["id"] for g in groups], skipped_ids=skipped, **m)

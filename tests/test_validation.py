@@ -26,6 +26,8 @@ BAD_FLAGS = [
     ("train", ["--temperature=nan"], "--temperature must be finite and > 0"),
     ("train", ["--lr=inf"], "--lr must be finite and > 0"),
     ("train", ["--top_p=0"], "--top_p must be in (0, 1]"),
+    ("train", ["--pass_band=0.6,0.4"], "--pass_band must be 'low,high'"),
+    ("train", ["--curate_prompts=64"], "--curate_prompts needs a --pass_band"),
     ("rollout", ["--max_new_tokens=0"], "--max_new_tokens must be >= 1"),
     ("rollout", ["--slots=0"], "--slots must be >= 1"),
     ("rollout", ["--chunk_steps=0"], "--chunk_steps must be >= 1"),

@@ -1,0 +1,117 @@
+"""plot.py: draws one RL run's curves to a PNG and checks, from its metrics, that no rollout was trained twice.
+
+  python plot.py RUN_DIR [--out=PATH]      (default PATH: RUN_DIR/curves.png; launch.sh local calls it at the end)
+
+Reads RUN_DIR/metrics.jsonl (one line per trainer step; a step that was redone after a trainer restart appears
+again, and its last line is the one whose update survived), RUN_DIR/events.jsonl (launch.sh's chaos: when a role
+went down and came back) and RUN_DIR/eval_before.json / eval_after.json (held-out pass@k). Panels: reward, pass@1
+and pass@k before/after, KL, entropy, completion length, staleness; the preemption events are vertical lines on
+every panel. matplotlib with the Agg backend: no display needed.
+"""
+import json
+import os
+import sys
+
+
+def read_jsonl(path):
+  if not os.path.exists(path):
+    return []
+  out = []
+  with open(path) as f:
+    for i, line in enumerate(f, 1):
+      line = line.strip()
+      if not line:
+        continue
+      try:
+        out.append(json.loads(line))
+      except json.JSONDecodeError as e:  # a line cut by a SIGKILL mid-write: skip it, say where
+        print(f"plot.py: {path}:{i}: skipped unreadable line ({e})", file=sys.stderr)
+  return out
+
+
+def final_records(records):
+  """The surviving record of each step (the last one written), in step order."""
+  by_step = {}
+  for r in records:
+    if "rollout_ids" in r:  # a training step (the curation record at step 0 trains nothing)
+      by_step[int(r["step"])] = r
+  return [by_step[s] for s in sorted(by_step)]
+
+
+def exactly_once(records):
+  """Checks the trained rollouts: each step 1..S once, no rollout id in two surviving steps.
+  Returns a dict (steps, missing_steps, redone_steps, rollouts, twice_trained)."""
+  final = final_records(records)
+  steps = [int(r["step"]) for r in final]
+  ids = [i for r in final for i in r.get("rollout_ids", [])]
+  return dict(steps=len(steps), missing_steps=sorted(set(range(1, max(steps, default=0) + 1)) - set(steps)),
+              redone_steps=sum("rollout_ids" in r for r in records) - len(final), rollouts=len(ids),
+              twice_trained=len(ids) - len(set(ids)))
+
+
+def plot(run_dir, out=None):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  recs = final_records(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
+  if not recs:
+    raise ValueError(f"plot.py: no step records in {os.path.join(run_dir, 'metrics.jsonl')}")
+  events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+  evals = {w: json.load(open(p)) for w in ("before", "after")
+           if os.path.exists(p := os.path.join(run_dir, f"eval_{w}.json"))}
+  steps = [r["step"] for r in recs]
+  panels = [("reward (mean verifier score)", ["reward"]), ("KL to reference", ["kl"]), ("entropy", ["entropy"]),
+            ("completion length (tokens)", ["completion_len"]), ("staleness (policy versions)",
+                                                                   ["staleness_mean", "staleness_max"])]
+  fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), dpi=70)
+  axes = axes.ravel()
+  for ax, (title, keys) in zip(axes, panels):
+    for k in keys:
+      ys = [r.get(k) for r in recs]
+      if any(y is not None for y in ys):
+        ax.plot(steps, [float("nan") if y is None else y for y in ys], lw=0.8, label=k)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("RL step", fontsize=8)
+  axes[4].legend(fontsize=7)
+  ax = axes[5]  # held-out pass@k: before at step 0, after at the last step
+  for k in sorted({k for e in evals.values() for k in e if k.startswith("pass@") and not k.endswith("_se")}):
+    pts = [(0 if w == "before" else steps[-1], evals[w][k], evals[w].get(k + "_se", 0)) for w in ("before", "after")
+           if w in evals]
+    ax.errorbar([p[0] for p in pts], [100 * p[1] for p in pts], yerr=[100 * p[2] for p in pts], marker="o",
+                capsize=3, label=f"held-out {k}")
+  ax.set_title("held-out pass@k before / after (%)", fontsize=10)
+  ax.set_xlabel("RL step", fontsize=8)
+  if evals:
+    ax.legend(fontsize=7)
+  colors = {"down": "red", "back": "green"}
+  for e in events:  # preemption: red = went down, green = came back
+    for a in axes:
+      a.axvline(e["step"], color=colors.get(e["event"].split()[0], "gray"), lw=0.7, ls="--")
+  downs = [f"{e['role']} {e['event'].split(' (')[1].rstrip(')')} @ step {e['step']}" for e in events
+           if e["event"].startswith("down")]
+  fig.suptitle(os.path.basename(os.path.normpath(run_dir)) + ("   preemptions: " + ", ".join(downs) if downs else "")
+               + "   (dashed: red down, green back)", fontsize=9)
+  fig.tight_layout()
+  out = out or os.path.join(run_dir, "curves.png")
+  fig.savefig(out)
+  plt.close(fig)
+  return out
+
+
+def main(argv):
+  if len(argv) < 2 or argv[1].startswith("-"):
+    print(__doc__.strip().splitlines()[2], file=sys.stderr)
+    return 2
+  run_dir = argv[1]
+  out = next((a.split("=", 1)[1] for a in argv[2:] if a.startswith("--out=")), None)
+  chk = exactly_once(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
+  print(f"trained rollouts: {chk['rollouts']} in {chk['steps']} steps; twice-trained: {chk['twice_trained']}; "
+        f"missing steps: {len(chk['missing_steps'])}; step records rewritten after a restart: {chk['redone_steps']}")
+  for e in read_jsonl(os.path.join(run_dir, "events.jsonl")):
+    print(f"  preemption: step {e['step']}: {e['role']} {e['event']} (pid {e['pid']})")
+  print(f"curves: {plot(run_dir, out)}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))
