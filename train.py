@@ -106,6 +106,9 @@ def define_flags():
                     "Default float32.")
   flags.DEFINE_integer("push_every", 1, "Push weights every N steps. Default 1.")
   flags.DEFINE_integer("checkpoint_every", 10, "Checkpoint (and ack) every N steps. Default 10.")
+  flags.DEFINE_integer("export_every", 0, "Also export the policy as an HF checkpoint to <run_dir>/exports/"
+                       "step_NNNNNN every N steps (held-out pass@k versus step: bench_curation.py). 0 = off (a 32B "
+                       "export is a full gather per export). Default 0.")
   flags.DEFINE_integer("keep_checkpoints", 2, "Checkpoints kept on disk. Default 2.")
   flags.DEFINE_string("checkpoint_dir", "", "Where checkpoints go (a path or gs://bucket/path). Default '' = "
                       "<run_dir>/ckpt. With several trainer hosts it must be storage they all share (orbax: each "
@@ -153,6 +156,7 @@ def define_flags():
       ("weight_decay", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
       ("value_coef", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
+  flags.register_validator("export_every", lambda v: v >= 0, message="--export_every must be >= 0 (0 = off)")
   flags.register_validator("curate_prompts", lambda v: v >= 0, message="--curate_prompts must be >= 0 (0 = off)")
   flags.register_validator("pass_band", lambda v: parse_band(v) is not None or not v,
                            message="--pass_band must be 'low,high' with 0 <= low < high <= 1, or empty (off)")
@@ -1017,6 +1021,9 @@ def run_rl():
       publish()
     if state["step"] % FLAGS.checkpoint_every == 0 or state["step"] == FLAGS.steps:
       checkpoint()
+    if FLAGS.export_every and state["step"] % FLAGS.export_every == 0:
+      export_hf(os.path.join(FLAGS.run_dir, "exports", f"step_{state['step']:06d}"), cfg, params["policy"],
+                tokenizer_src=FLAGS.tokenizer)
     if lead:
       lag = trained_version - np.asarray([int(g["version"]) for g in groups])
       rec = dict(step=state["step"], time=time.time(), lr=float(lr_schedule(state["step"] - 1)),
