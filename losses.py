@@ -234,18 +234,25 @@ def gae(rewards, values, mask, gamma=1.0, lam=1.0):
   return adv, jnp.where(m, adv + v, 0)
 
 
-def value_loss(values, returns, mask, agg="token_mean", *, old_values=None, clip=None, max_tokens=None):
+def value_loss(values, returns, mask, agg="token_mean", *, old_values=None, clip=None, max_tokens=None,
+               with_clip_frac=False):
   """PPO value loss 0.5 max((V - R)^2, (V_clip - R)^2), V_clip = old + clip(V - old, -clip, clip).
 
   Schulman et al. 2017 (PPO, arXiv 1707.06347) as implemented in OpenAI baselines; clip=None gives plain 0.5 (V-R)^2.
+  with_clip_frac: return (loss, clip_frac), clip_frac = the fraction of valid tokens where the clipped branch is
+  the strictly larger one (the gradient is the clipped one's there), as verl/OpenRLHF's vf_clipfrac; 0 without clip.
   """
   err = (values - jax.lax.stop_gradient(returns)) ** 2
+  frac = jnp.zeros((), jnp.float32)
   if clip is not None:
     if old_values is None:
       raise ValueError("value_loss: clip needs old_values")
     v_clip = old_values + jnp.clip(values - old_values, -clip, clip)
-    err = jnp.maximum(err, (v_clip - jax.lax.stop_gradient(returns)) ** 2)
-  return aggregate(0.5 * err, mask, agg, max_tokens)
+    err_clip = (v_clip - jax.lax.stop_gradient(returns)) ** 2
+    frac = aggregate((err_clip > err).astype(jnp.float32), mask, "token_mean")
+    err = jnp.maximum(err, err_clip)
+  loss = aggregate(0.5 * err, mask, agg, max_tokens)
+  return (loss, frac) if with_clip_frac else loss
 
 
 # ----------------------------------------------------------------------------------------------------------------

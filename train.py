@@ -87,11 +87,15 @@ def define_flags():
   flags.DEFINE_integer("max_new_tokens", 8, "Workers' completion budget in tokens, sent with the weights (also DAPO "
                        "overlong shaping). Default 8.")
   flags.DEFINE_integer("ppo_epochs", 1, "Passes over each batch (PPO epochs); >1 recomputes the proximal log-probs "
-                       "once per batch for the clip. Default 1.")
+                       "(and, for ppo, the values V_old that fix the GAE advantages) once per batch for the clip. "
+                       "Default 1.")
   flags.DEFINE_integer("minibatches", 1, "Optimizer updates per epoch (the batch split in this many). Default 1.")
   flags.DEFINE_float("gae_gamma", 1.0, "GAE discount gamma (ppo only). Default 1.0.")
   flags.DEFINE_float("gae_lambda", 1.0, "GAE lambda (ppo only). Default 1.0.")
   flags.DEFINE_float("value_coef", 0.5, "Value-loss weight (PPO with GAE only). Default 0.5.")
+  flags.DEFINE_float("value_clip", 0.0, "PPO value clipping (GAE only): bound on |V - V_old| in absolute value units "
+                     "(returns are rewards, not normalised), V_old = the value head before the step's first update; a "
+                     "no-op with --ppo_epochs=1 --minibatches=1. 0 = off. Default 0.")
   flags.DEFINE_float("temperature", 1.0, "Workers' sampling temperature, sent with the weights; the loss scores "
                      "log-probs at it. Default 1.0.")
   flags.DEFINE_integer("top_k", 0, "Workers' top-k (0 = off), sent with the weights. Default 0.")
@@ -154,7 +158,8 @@ def define_flags():
       ("rollout_lease_s", positive, "finite and > 0"), ("grad_clip", positive, "finite and > 0"),
       ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
       ("weight_decay", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
-      ("value_coef", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0")):
+      ("value_coef", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
+      ("value_clip", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0 (0 = off)")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
   flags.register_validator("export_every", lambda v: v >= 0, message="--export_every must be >= 0 (0 = off)")
   flags.register_validator("curate_prompts", lambda v: v >= 0, message="--curate_prompts must be >= 0 (0 = off)")
@@ -222,16 +227,35 @@ def score(p, cfg, batch, *, temperature, attn_impl, remat=False, logprob_chunk=0
 
 def policy_logp(trainable, batch, *, cfg, temperature, compute_dtype, attn_impl, remat=False, logprob_chunk=0):
   """The trainer's log-probs of batch["targets"] and the final hidden state: the one forward rl_loss differentiates
-  and make_train_step calls once (no gradient) for the proximal policy of PPO epochs."""
+  and make_train_step calls once (no gradient, via proximal) for the proximal policy of PPO epochs."""
   p = jax.tree.map(lambda x: x.astype(compute_dtype), trainable["policy"])
   return score(p, cfg, batch, temperature=temperature, attn_impl=attn_impl, remat=remat, logprob_chunk=logprob_chunk)
 
 
+def value_head(vh, h):
+  """V(s_t) [B,T] from the final hidden state h [B,T,D]: a linear map, in fp32."""
+  return jnp.einsum("btd,d->bt", h.astype(jnp.float32), vh["w"]) + vh["b"]
+
+
+def proximal(trainable, batch, **kw):
+  """What PPO epochs hold fixed over a step's updates, from one fresh forward at its starting weights (no
+  gradient; make_train_step adds these to the batch): prox_logp [B,T] and, with a value head, old_values [B,T].
+  kw: policy_logp's."""
+  logp, _, h = policy_logp(trainable, batch, **kw)
+  out = dict(prox_logp=logp)
+  if trainable["value"] is not None:
+    out["old_values"] = value_head(trainable["value"], h)
+  return out
+
+
 def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dtype, attn_impl, value_coef,
-            gae_gamma=1.0, gae_lambda=1.0, remat=False, logprob_chunk=0):
+            gae_gamma=1.0, gae_lambda=1.0, value_clip=0.0, remat=False, logprob_chunk=0):
   """trainable = {"policy": params, "value": value head or None}. Returns (loss, metrics).
   batch["prox_logp"], when present (PPO epochs/minibatches, make_train_step), is the proximal policy of the clip:
-  ratio pi_theta / pi_prox, and TIS (if tis_cap) weighs pi_prox / mu with mu = batch["behaviour_logp"]."""
+  ratio pi_theta / pi_prox, and TIS (if tis_cap) weighs pi_prox / mu with mu = batch["behaviour_logp"].
+  batch["old_values"], present with it when there is a value head, is V_old: GAE advantages and returns come from
+  it (fixed over the step's updates, as verl/OpenRLHF compute them once per batch) and value_clip > 0 bounds
+  |V - V_old| in the value loss. Without it V_old = stop_gradient(V), where the clip is a no-op and is skipped."""
   mask = batch["loss_mask"]
   logp, ent, h = policy_logp(trainable, batch, cfg=cfg, temperature=temperature, compute_dtype=compute_dtype,
                              attn_impl=attn_impl, remat=remat, logprob_chunk=logprob_chunk)
@@ -243,10 +267,16 @@ def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dty
   if trainable["value"] is not None:
     # PPO with a value head on the shared trunk: V(s_t) predicts the return of the sequence from position t;
     # the outcome reward sits on the last completion position (batch["token_rewards"]).
-    vh = trainable["value"]
-    values = jnp.einsum("btd,d->bt", h.astype(jnp.float32), vh["w"]) + vh["b"]
-    adv, returns = losses.gae(batch["token_rewards"], jax.lax.stop_gradient(values), mask, gae_gamma, gae_lambda)
-    extra["value_loss"] = losses.value_loss(values, returns, mask)
+    values = value_head(trainable["value"], h)
+    adv, returns = losses.gae(batch["token_rewards"], batch.get("old_values", jax.lax.stop_gradient(values)), mask,
+                              gae_gamma, gae_lambda)
+    if value_clip > 0 and "old_values" in batch:
+      extra["value_loss"], extra["value_clip_frac"] = losses.value_loss(
+          values, returns, mask, old_values=batch["old_values"], clip=value_clip, with_clip_frac=True)
+    else:
+      extra["value_loss"] = losses.value_loss(values, returns, mask)
+      if value_clip > 0:  # one update per batch: V_old = V, nothing can be clipped
+        extra["value_clip_frac"] = jnp.zeros((), jnp.float32)
   # Truncated IS needs a proximal policy: with one update per batch that is the current policy (ratio 1 inside
   # the clip), so the correction is the IS weight min(pi / mu, cap) on the behaviour samples.
   if "prox_logp" in batch:
@@ -270,11 +300,12 @@ def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dty
 
 def make_train_step(optimizer, loss_fn, grad_accum, *, epochs=1, minibatches=1, prox_fn=None):
   """One trainer step on a batch. epochs x minibatches optimizer updates (PPO epochs, as verl/OpenRLHF/TRL);
-  with more than one update, prox_fn(params, batch) -> [B,T] log-probs is called once before the first update
-  (fresh forward, no gradient) and passed as batch["prox_logp"], the fixed proximal policy of the clip, while the
-  worker's behaviour log-probs stay in the batch for TIS (decoupled PPO / AReaL). With 1 x 1 the update is the
-  plain one (ratio pi_theta / mu). The updates are unrolled (epochs * minibatches copies in the compiled step,
-  each a grad_accum scan); metrics are the mean over updates; clip_frac/ratio_min/ratio_max_last are the last update's."""
+  with more than one update, prox_fn(params, batch) -> dict of [B,T] arrays (train.proximal: "prox_logp" and, with
+  a value head, "old_values") is called once before the first update (one fresh forward, no gradient) and added
+  to the batch: the fixed proximal policy of the clip and V_old, while the worker's behaviour log-probs stay in the
+  batch for TIS (decoupled PPO / AReaL). With 1 x 1 the update is the plain one (ratio pi_theta / mu). The updates
+  are unrolled (epochs * minibatches copies in the compiled step, each a grad_accum scan); metrics are the mean over
+  updates; clip_frac/ratio_min/ratio_max(/value_clip_frac)_last are the last update's."""
   if epochs < 1 or minibatches < 1:
     raise ValueError(f"make_train_step: epochs={epochs} and minibatches={minibatches} must be >= 1")
   update = _make_update(optimizer, loss_fn, grad_accum)
@@ -284,7 +315,7 @@ def make_train_step(optimizer, loss_fn, grad_accum, *, epochs=1, minibatches=1, 
     raise ValueError("make_train_step: several updates per batch need prox_fn (the proximal log-probs)")
 
   def step(params, opt_state, ref_params, batch):
-    batch = dict(batch, prox_logp=jax.lax.stop_gradient(prox_fn(params, batch)))
+    batch = dict(batch, **jax.lax.stop_gradient(prox_fn(params, batch)))
     mbs = _microbatches(batch, minibatches)
     ms = []
     for _ in range(epochs):
@@ -292,8 +323,9 @@ def make_train_step(optimizer, loss_fn, grad_accum, *, epochs=1, minibatches=1, 
         params, opt_state, m = update(params, opt_state, ref_params, jax.tree.map(lambda x: x[i], mbs))
         ms.append(m)
     m = jax.tree.map(lambda *xs: sum(xs) / len(xs), *ms)
-    for k in ("clip_frac", "ratio_min", "ratio_max"):  # the last update's, where the clip acts most
-      m[k + "_last"] = ms[-1][k]
+    for k in ("clip_frac", "ratio_min", "ratio_max", "value_clip_frac"):  # the last update's, where clips act most
+      if k in m:
+        m[k + "_last"] = ms[-1][k]
     return params, opt_state, m
   return step
 
@@ -825,11 +857,11 @@ def run_rl():
   loss_fn = lambda p, r, b: rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=FLAGS.temperature,  # noqa: E731
                                     compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl,
                                     value_coef=FLAGS.value_coef, gae_gamma=FLAGS.gae_gamma,
-                                    gae_lambda=FLAGS.gae_lambda, remat=FLAGS.remat,
+                                    gae_lambda=FLAGS.gae_lambda, value_clip=FLAGS.value_clip, remat=FLAGS.remat,
                                     logprob_chunk=FLAGS.logprob_chunk)
-  prox_fn = lambda p, b: policy_logp(p, b, cfg=cfg, temperature=FLAGS.temperature,  # noqa: E731
-                                     compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl,
-                                     logprob_chunk=FLAGS.logprob_chunk)[0]
+  prox_fn = lambda p, b: proximal(p, b, cfg=cfg, temperature=FLAGS.temperature,  # noqa: E731
+                                  compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl,
+                                  logprob_chunk=FLAGS.logprob_chunk)
   # Pin the outputs to the inputs' shardings: XLA would otherwise leave updated params/moments replicated.
   shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
   train_step = jax.jit(make_train_step(optimizer, loss_fn, FLAGS.grad_accum, epochs=FLAGS.ppo_epochs,

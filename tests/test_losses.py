@@ -209,6 +209,13 @@ def test_value_loss_by_hand():
   np.testing.assert_allclose(losses.value_loss(v, ret, m, old_values=old, clip=0.2), (0.5 + 2.0) / 2)
   v2 = jnp.array([[0.0, 0.1]])  # clipped values are farther: V_clip = [.3, .3]
   np.testing.assert_allclose(losses.value_loss(v2, ret, m, old_values=old, clip=0.2), 0.5 * 0.09, rtol=1e-6)
+  # clip_frac: valid tokens where the clipped branch is the larger ([0, 2]: token 0 only), 0 without a clip.
+  v3 = jnp.array([[0.0, 2.0]])
+  _, frac = losses.value_loss(v3, ret, m, old_values=old, clip=0.2, with_clip_frac=True)
+  np.testing.assert_allclose(frac, 0.5)
+  np.testing.assert_allclose(losses.value_loss(v3, ret, jnp.array([[0, 1]]), old_values=old, clip=0.2,
+                                               with_clip_frac=True)[1], 0.0)
+  assert float(losses.value_loss(v3, ret, m, with_clip_frac=True)[1]) == 0
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Issue 16: PPO epochs over minibatches with a recomputed proximal policy, the constant Dr. GRPO normaliser and
-the one dynamic-sampling criterion, all through train.py's step functions."""
+"""Issue 16: PPO epochs over minibatches with a recomputed proximal policy and fixed V_old (value clipping), the
+constant Dr. GRPO normaliser and the one dynamic-sampling criterion, all through train.py's step functions."""
 import dataclasses
 
 import jax
@@ -15,17 +15,21 @@ import train
 from tests.test_train import CFG, groups
 
 
-def _setup(lcfg, lr=1e-2, buckets=(16,)):
+def _setup(lcfg, lr=1e-2, buckets=(16,), value_clip=0.0):
   m = model.make_mesh(1, 1, 1)
   jax.set_mesh(m)
   policy = model.shard_params(model.init_params(CFG, jax.random.PRNGKey(0)), CFG, m)
-  params = dict(policy=policy, value=None)
+  # A non-zero value head (run_rl starts at 0), so V_old differs from the values of any later weights.
+  value = (dict(w=0.05 * jax.random.normal(jax.random.PRNGKey(1), (CFG.d_model,)), b=jnp.zeros(()))
+           if lcfg.advantage == "gae" else None)
+  params = dict(policy=policy, value=value)
   opt = train.make_optimizer(lr, 1, 10, 0.0, 1.0)
   opt_state = jax.tree.map(jnp.copy, opt.init(params))
   fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=CFG, lcfg=lcfg, temperature=1.0,  # noqa: E731
-                                     compute_dtype=jnp.float32, attn_impl="ref", value_coef=0.5)
-  prox = lambda p, b: train.policy_logp(p, b, cfg=CFG, temperature=1.0, compute_dtype=jnp.float32,  # noqa: E731
-                                        attn_impl="ref")[0]
+                                     compute_dtype=jnp.float32, attn_impl="ref", value_coef=0.5,
+                                     value_clip=value_clip)
+  prox = lambda p, b: train.proximal(p, b, cfg=CFG, temperature=1.0, compute_dtype=jnp.float32,  # noqa: E731
+                                     attn_impl="ref")
   batch, _, _ = train.rl_batch(groups(), lcfg, 0, buckets, 8)
   return params, opt_state, opt, fn, prox, train.to_global(batch, NamedSharding(m, P(("data", "fsdp"))))
 
@@ -47,7 +51,7 @@ def test_two_epochs_clip_with_a_fixed_proximal_policy():
   lcfg = dataclasses.replace(losses.ALGORITHMS["grpo"], kl_coef=0.0, tis_cap=2.0)
   params, opt_state, opt, fn, prox, gb = _setup(lcfg, lr=0.3)
   # The proximal log-probs are a fresh forward of the step's starting weights, bit for bit.
-  lp_prox = jax.jit(prox)(params, gb)
+  lp_prox = jax.jit(prox)(params, gb)["prox_logp"]
   lp_fresh = train.policy_logp(params, gb, cfg=CFG, temperature=1.0, compute_dtype=jnp.float32, attn_impl="ref")[0]
   np.testing.assert_array_equal(np.asarray(lp_prox), np.asarray(lp_fresh))
   one = jax.jit(train.make_train_step(opt, fn, 1, epochs=1, minibatches=2, prox_fn=prox))
@@ -59,6 +63,42 @@ def test_two_epochs_clip_with_a_fixed_proximal_policy():
   assert float(m["ratio_max_last"]) != 1.0 and float(m["ratio_min_last"]) != 1.0
   assert float(m["clip_frac_last"]) > 0
   np.testing.assert_allclose(float(m["clip_frac"]), float(m["clip_frac_last"]) / 2, rtol=1e-6)
+
+
+def test_value_clip_with_one_update_is_the_plain_update():
+  # 1 x 1: V_old = stop_gradient(V), the clip cannot act, so --value_clip changes nothing (and costs no forward).
+  lcfg = dataclasses.replace(losses.ALGORITHMS["ppo"], kl_coef=0.0)
+  params, opt_state, opt, fn0, prox, gb = _setup(lcfg)
+  fn1 = _setup(lcfg, value_clip=0.2)[3]
+  steps = [train.make_train_step(opt, f, 1, prox_fn=prox) for f in (fn0, fn1)]
+  # Both steps in one jit: one compile instead of two, so the test stays short.
+  (p0, _, m0), (p1, _, m1) = jax.jit(lambda *a: [s(*a) for s in steps])(params, opt_state, None, gb)
+  assert float(m1["value_clip_frac"]) == 0 and "value_clip_frac" not in m0
+  assert float(m1["loss"]) == float(m0["loss"]) and float(m1["value_loss"]) == float(m0["value_loss"])
+  for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_two_epochs_value_clip_against_fixed_old_values():
+  lcfg = dataclasses.replace(losses.ALGORITHMS["ppo"], kl_coef=0.0)
+  params, opt_state, opt, fn0, prox, gb = _setup(lcfg)
+  fn = _setup(lcfg, value_clip=0.05)[3]
+  v_old = jax.jit(prox)(params, gb)["old_values"]  # a fresh forward at the step's starting weights
+
+  def seen(p, r, b):  # each update's V_old against v_old, and its value loss without the clip (same forward)
+    loss, m = fn(p, r, b)
+    return loss, dict(m, old_values_err=jnp.abs(b["old_values"] - v_old).max(),
+                      value_loss_0=fn0(p, r, b)[1]["value_loss"])
+  new, _, m = jax.jit(train.make_train_step(opt, seen, 1, epochs=2, prox_fn=prox))(params, opt_state, None, gb)
+  # The mean over both updates is 0 only if each is: the second update's V_old is the pre-step one, not
+  # recomputed at its weights (which moved the values by more than the clip).
+  assert float(m["old_values_err"]) < 1e-6
+  assert float(jnp.abs(jax.jit(prox)(new, gb)["old_values"] - v_old).max()) > 0.05
+  # Epoch 1 starts at V_old (nothing clipped); in epoch 2 the clipped branch is the larger on some tokens, which
+  # raises the value loss above the unclipped one.
+  assert float(m["value_clip_frac_last"]) > 0
+  np.testing.assert_allclose(float(m["value_clip_frac"]), float(m["value_clip_frac_last"]) / 2, rtol=1e-6)
+  assert float(m["value_loss"]) > float(m["value_loss_0"]) + 1e-6
 
 
 def test_dr_grpo_normaliser_is_the_generation_budget_not_the_bucket():
