@@ -445,6 +445,13 @@ class PromptStream:
   def take(self, n: int) -> list:
     return [self.next() for _ in range(n)]
 
+  def peek(self, n: int) -> list:
+    """The next n problems, without advancing the stream (what curation estimates before they are issued)."""
+    saved = (self.epoch, self.cursor, self._order)
+    out = self.take(n)
+    self.epoch, self.cursor, self._order = saved
+    return out
+
   def state_dict(self) -> dict:
     return {"seed": self.seed, "shuffle": self.shuffle, "epoch": self.epoch, "cursor": self.cursor,
             "n": len(self.problems), "fingerprint": self._fingerprint}

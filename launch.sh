@@ -372,7 +372,8 @@ run_local() {
     # The trainer's tqdm bar goes to its log; show it here while we supervise. $! must be tail itself (in a
     # plain pipeline it is grep's pid, and killing grep left tail -F running forever, holding our stdout open);
     # --pid ends it with this script even if we are SIGKILLed.
-    tail -n 0 -F --pid=$$ "$RUN_DIR/logs/trainer0.log" 2>/dev/null > >(tr '\r' '\n' | grep --line-buffered -E "it/s|s/it") &
+    tail -n 0 -F --pid=$$ "$RUN_DIR/logs/trainer0.log" 2>/dev/null \
+      > >(tr '\r' '\n' | grep --line-buffered -E "it/s|s/it" | sed -u -E 's/\][IWEF][0-9]{4} [0-9:.]+ .*/]/') &
     TAIL_PID=$!
     local chaos_pid=""
     if [ "$CHAOS" = 1 ]; then chaos "$(total_steps)" & chaos_pid=$!; fi
@@ -398,7 +399,9 @@ for k in ks:
 print(f"wall time of this launch: {secs // 60} min {secs % 60} s")
 EOF
   # CPU time beside wall time: on a shared machine the wall time is inflated, the CPU time much less so.
-  echo "cpu time of its processes (user, sys): $(times | tail -n 1); load average now: $(cut -d' ' -f1-3 /proc/loadavg)"
+  times >"$RUN_DIR/times.txt"  # a redirect: inside $(...) bash would report the subshell's own (zero) times
+  echo "cpu time of its processes (user, sys): $(tail -n 1 "$RUN_DIR/times.txt"); load average now:" \
+    "$(cut -d' ' -f1-3 /proc/loadavg)"
   run_plot
 }
 
@@ -408,7 +411,7 @@ run_plot() { "$PY" plot.py "$RUN_DIR" || echo "launch.sh: plot.py failed (the ru
 # eval CHECKPOINT before|after: pass@k into eval_<when>.json; a failure names the log and shows its last lines.
 run_eval() {
   "$PY" rollout.py --mode=eval --checkpoint="$1" --tokenizer="$TOKENIZER" "${eval_flags[@]}" \
-    --out="$RUN_DIR/eval_$2.json" 2>>"$RUN_DIR/logs/eval.log" && return
+    --out="$RUN_DIR/eval_$2.json" >>"$RUN_DIR/logs/eval.log" 2>&1 && return
   echo "launch.sh: evaluation of $1 failed ($RUN_DIR/logs/eval.log):" >&2
   grep -v '^[[:space:]]*$' "$RUN_DIR/logs/eval.log" | tail -n 3 | sed 's/^/  /' >&2
   exit 1

@@ -44,12 +44,11 @@ def test_pass_band_parsing_and_online_filter():
   assert train.in_band(t, "solved", None, 8)  # no band: everything is issued
 
 
-def test_keep_ids_restores_the_curated_set_and_names_a_mismatch():
-  probs = data.make_task_problems("arithmetic", 20, 1, seed=0, ops="+")
-  kept = train.keep_ids(probs, [probs[3].id, probs[7].id])
-  assert [p.id for p in kept] == [probs[3].id, probs[7].id]
-  with pytest.raises(ValueError, match="curated set"):
-    train.keep_ids(probs, ["nope"])
+def test_stream_peek_is_what_will_be_issued_and_does_not_advance():
+  s = data.PromptStream(data.make_task_problems("arithmetic", 5, 1, seed=0, ops="+"), seed=3)
+  s.take(3)
+  ahead = s.peek(4)  # crosses the epoch boundary
+  assert [p.id for p in s.take(4)] == [p.id for p in ahead]
 
 
 def test_plot_draws_png_and_counts_twice_trained_rollouts(tmp_path):
