@@ -136,6 +136,9 @@ def define_flags():
   flags.DEFINE_integer("sft_steps", 300, "SFT steps. Default 300.")
   flags.DEFINE_integer("sft_batch", 64, "SFT sequences per step. Default 64.")
   flags.DEFINE_float("sft_lr", 3e-3, "SFT peak learning rate. Default 3e-3.")
+  flags.DEFINE_float("sft_target_loss", 0.0, "Stop SFT once the mean loss (nats/token) of the last 50 steps is <= "
+                     "this, --sft_steps being the cap: the base then lands at the same quality whatever the seed or "
+                     "machine, instead of wherever a fixed step count leaves it. 0 = off. Default 0.")
   flags.DEFINE_string("sft_out", None, "Where SFT writes its HF checkpoint. Default <run_dir>/base.")
   flags.DEFINE_string("model_config", "d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,ffw_dim=512",
                       "Tiny model shape for SFT from scratch. Default d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,"
@@ -158,6 +161,7 @@ def define_flags():
       ("rollout_lease_s", positive, "finite and > 0"), ("grad_clip", positive, "finite and > 0"),
       ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
       ("weight_decay", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
+      ("sft_target_loss", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0 (0 = off)"),
       ("value_coef", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
       ("value_clip", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0 (0 = off)")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
@@ -653,6 +657,7 @@ def run_sft():
 
   metrics = Metrics(os.path.join(FLAGS.run_dir, "sft_metrics.jsonl"))
   t0 = time.time()
+  recent = []  # device scalars; read back every 10 steps (one host sync per 10, not per step)
   for i in range(FLAGS.sft_steps):
     probs = stream.take(FLAGS.sft_batch)
     b = data.make_batch([tok.encode(data.render_prompt(p, FLAGS.template), add_bos=True) for p in probs],
@@ -661,6 +666,15 @@ def run_sft():
     b = {k: b[k].astype(np.float32 if k == "loss_mask" else np.int32) for k in ("tokens", "targets", "positions",
                                                                                "segment_ids", "loss_mask")}
     params, opt_state, loss = step(params, opt_state, to_global(b, bsh))
+    recent = (recent + [loss])[-50:]
+    if FLAGS.sft_target_loss and len(recent) == 50 and i % 10 == 0:
+      mean = float(np.mean([float(x) for x in recent]))
+      if mean <= FLAGS.sft_target_loss:
+        metrics.write(dict(step=i, sft_loss_mean50=mean, stopped_at_target=FLAGS.sft_target_loss,
+                           seconds=time.time() - t0))
+        logging.info("sft step %d: mean loss of the last 50 steps %.4f <= target %.4f: done (%.0fs)", i, mean,
+                     FLAGS.sft_target_loss, time.time() - t0)
+        break
     if i % 20 == 0 or i == FLAGS.sft_steps - 1:
       loss = float(loss)
       metrics.write(dict(step=i, sft_loss=loss, seconds=time.time() - t0))

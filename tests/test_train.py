@@ -1,6 +1,7 @@
 """train.py pieces in-process: every algorithm steps, grad accumulation, sharded == unsharded, checkpoints,
 multi-process (gloo) training, and launch.sh's pod commands."""
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -184,6 +185,19 @@ def test_two_process_gloo_training_equals_one_process(tmp_path):
   _, a = model.load_hf_checkpoint(str(tmp_path / "one" / "base"))
   _, b = model.load_hf_checkpoint(str(tmp_path / "two" / "base"))
   jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5), a, b)
+
+def test_sft_stops_at_its_target_loss(tmp_path):
+  """--sft_target_loss: the base lands at a loss, not at a step count (the demo's seeds differ in where 500 steps
+  leave them). A target above any loss stops at the first check: step 50, the first full 50-step window."""
+  import data
+  tok = data.build_task_tokenizer(str(tmp_path), "arithmetic", seed=0)
+  p = _sft(tmp_path / "run", tok, ["--sft_steps=400", "--sft_target_loss=50"])
+  out = p.communicate(timeout=300)[0]
+  assert p.returncode == 0, out[-2000:]
+  recs = [json.loads(l) for l in open(tmp_path / "run" / "sft_metrics.jsonl")]
+  assert recs[-1]["step"] == 50 and recs[-1]["stopped_at_target"] == 50 and recs[-1]["sft_loss_mean50"] <= 50
+  assert os.path.exists(tmp_path / "run" / "base" / "config.json")
+
 
 class _FakeQueue:
   """Just the two calls RolloutLedger makes."""
