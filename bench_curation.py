@@ -1,9 +1,9 @@
 """bench_curation.py: the paper's curation, measured: training reward and held-out pass@k versus RL step for
 runs with and without it (or any set of runs: the run dirs are the arguments).
 
-  bash launch.sh local --seed=0 --run_dir=runs/cur_on  -- --export_every=200
-  bash launch.sh local --seed=0 --run_dir=runs/cur_off -- --export_every=200 --curate_prompts=0 --pass_band=
-  python bench_curation.py runs/cur_on runs/cur_off [--out=curation.png]
+  bash launch.sh local --seed=0 --run_dir=runs/cur_off -- --export_every=400
+  bash launch.sh local --seed=0 --run_dir=runs/cur_on  -- --export_every=400 --curate_prompts=2048 --pass_band=0,1
+  python bench_curation.py runs/cur_off runs/cur_on [--out=curation.png]
 
 Each run's policy exports (train.py --export_every: <run>/exports/step_N) are evaluated with the demo's eval
 settings (read from `launch.sh local --print_settings`, so they are exactly the demo's: same held-out problems,

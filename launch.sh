@@ -86,7 +86,7 @@ parse_local_flags() {
 DEMO_TASK_FLAGS=(--task=arithmetic --difficulty=2 --ops=+)
 DEMO_SFT_FLAGS=(--sft_steps=500 --sft_batch=64 --sft_lr=3e-3)
 DEMO_RL_FLAGS=(--algo=grpo --steps=1600 --prompts_per_step=16 --group_size=8 --lr=3e-4 --dynamic_sampling
-                --checkpoint_every=10 --curate_prompts=2048 --pass_band=0,1)
+                --checkpoint_every=10)
 DEMO_EVAL_FLAGS=(--eval_task=arithmetic --eval_difficulty=2 --eval_ops=+ --eval_n=500 --k=8 --temperature=1.0)
 # Defaults for a real model (--init_checkpoint and/or --train_jsonl): the demo's lr 3e-4 / 1600 steps / dynamic
 # sampling would wreck a pretrained LLM. lr 1e-6 is the usual GRPO learning rate for 0.5B-32B models (DAPO, Dr.GRPO
