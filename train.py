@@ -78,9 +78,10 @@ def define_flags():
   flags.DEFINE_integer("prefetch_steps", 2, "Steps worth of prompts kept issued ahead of training. Default 2.")
   flags.DEFINE_integer("max_staleness", 4, "Max policy-version lag of a trained rollout. Default 4.")
   flags.DEFINE_bool("dynamic_sampling", False, "Drop zero-variance groups and refill (DAPO). Default False.")
-  flags.DEFINE_integer("curate_prompts", 0, "Offline curation before RL (the paper's pass-rate band): this many "
-                       "training prompts get group_size samples of the base policy through the workers (scored, "
-                       "never trained on); RL then draws only from those inside --pass_band. 0 = off. Default 0.")
+  flags.DEFINE_integer("curate_prompts", 0, "Offline curation before RL (the paper's pass-rate band): the stream's "
+                       "next N prompts get group_size samples of the base policy through the workers (scored, never "
+                       "trained on); their pass rates seed the table that skips prompts outside --pass_band when "
+                       "issuing. 0 = off. Default 0.")
   flags.DEFINE_string("pass_band", "", "low,high pass rates: keep prompts with low < rate < high, offline "
                       "(--curate_prompts) and online (a prompt whose tracked pass rate left the band is not issued "
                       "again). Empty = off. Default empty.")
