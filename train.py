@@ -33,6 +33,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import shutil
 import sys
 import time
@@ -140,6 +141,10 @@ def define_flags():
   flags.DEFINE_float("sft_target_loss", 0.0, "Stop SFT once the mean loss (nats/token) of the last 50 steps is <= "
                      "this, --sft_steps being the cap: the base then lands at the same quality whatever the seed or "
                      "machine, instead of wherever a fixed step count leaves it. 0 = off. Default 0.")
+  flags.DEFINE_float("sft_slip", 0.0, "Probability (0-1) that the SFT teacher writes the answer's last digit one too "
+                     "high (9 -> 0): a flawed teacher. SFT run to convergence then lands at a known per-sample pass "
+                     "rate (1 - slip) whatever the seed, and RL with the verifier has to unlearn the habit. "
+                     "0 = a perfect teacher. Default 0.")
   flags.DEFINE_string("sft_out", None, "Where SFT writes its HF checkpoint. Default <run_dir>/base.")
   flags.DEFINE_string("model_config", "d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,ffw_dim=512",
                       "Tiny model shape for SFT from scratch. Default d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,"
@@ -163,6 +168,7 @@ def define_flags():
       ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
       ("weight_decay", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
       ("sft_target_loss", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0 (0 = off)"),
+      ("sft_slip", lambda v: 0 <= v < 1, "in [0, 1)"),
       ("value_coef", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
       ("value_clip", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0 (0 = off)")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
@@ -626,6 +632,17 @@ class Metrics:
       self.f.flush()
 
 
+def teacher_completion(problem, slip: float, rng) -> str:
+  """The SFT target: the reference completion, except that with probability `slip` (one draw of `rng`) the last
+  digit is written one too high (9 -> 0). The rest of the answer stays right, so the student must still learn the
+  task to imitate the slip; the slip is a habit RL can remove, not a skill it has to discover."""
+  text = data.reference_completion(problem)
+  last = max((i for i, c in enumerate(text) if c.isdigit()), default=None)
+  if slip and rng.random() < slip and last is not None:
+    text = text[:last] + str((int(text[last]) + 1) % 10) + text[last + 1:]
+  return text
+
+
 def run_sft():
   mesh = setup_mesh()
   tok = data.load_tokenizer(FLAGS.tokenizer)
@@ -643,6 +660,7 @@ def run_sft():
   opt_state = opt.init(params)
   _, problems, _, buckets = training_prompts(cfg, tok, "sft_flags.json")
   stream = data.PromptStream(problems, seed=FLAGS.seed)
+  teacher_rng = random.Random(f"sft-teacher|{FLAGS.seed}")
   bsh = NamedSharding(mesh, P(("data", "fsdp")))
 
   def loss_fn(params, b):
@@ -662,7 +680,7 @@ def run_sft():
   for i in range(FLAGS.sft_steps):
     probs = stream.take(FLAGS.sft_batch)
     b = data.make_batch([tok.encode(data.render_prompt(p, FLAGS.template), add_bos=True) for p in probs],
-                        [tok.encode(data.reference_completion(p)) + [tok.eos_id] for p in probs],
+                        [tok.encode(teacher_completion(p, FLAGS.sft_slip, teacher_rng)) + [tok.eos_id] for p in probs],
                         buckets, tok.pad_id)
     b = {k: b[k].astype(np.float32 if k == "loss_mask" else np.int32) for k in ("tokens", "targets", "positions",
                                                                                "segment_ids", "loss_mask")}

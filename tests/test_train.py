@@ -199,6 +199,23 @@ def test_sft_stops_at_its_target_loss(tmp_path):
   assert os.path.exists(tmp_path / "run" / "base" / "config.json")
 
 
+def test_sft_teacher_slips_only_the_last_digit_at_its_rate():
+  """--sft_slip: the flawed teacher of the demo. The slipped target is the answer with its last digit one too high
+  (9 wraps to 0), the rest intact; the slip rate is the flag's, and 0 is the reference itself."""
+  import random
+  import data
+  probs = data.make_task_problems("arithmetic", 2000, difficulty=2, seed=0, ops="+")
+  rng = random.Random(0)
+  outs = [train.teacher_completion(p, 0.9, rng) for p in probs]
+  slipped = [o != p.answer for o, p in zip(outs, probs)]
+  assert 0.87 < np.mean(slipped) < 0.93
+  for o, p, s in zip(outs, probs, slipped):
+    assert o[:-1] == p.answer[:-1] and len(o) == len(p.answer)
+    assert int(o[-1]) == (int(p.answer[-1]) + s) % 10
+  assert all(train.teacher_completion(p, 0.0, rng) == p.answer for p in probs[:100])
+  assert train.teacher_completion(data.Problem("x", "1+8=", "9", "arithmetic"), 0.999999, random.Random(1)) == "0"
+
+
 class _FakeQueue:
   """Just the two calls RolloutLedger makes."""
 
