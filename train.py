@@ -22,7 +22,8 @@ Design:
   * Checkpoints (params, optimizer state, step, data cursor, seed, consumed ids, pass-rate table, version) are
     orbax, sharded (each process writes its shards) and asynchronous (Checkpointer), every --checkpoint_every
     steps and on SIGTERM; they restore onto another mesh / process count. The final HF export gathers one tensor at a time (export_hf).
-  * --mode=sft is the supervised warm-start that builds the demo's base policy (an HF checkpoint dir).
+  * --mode=sft is the supervised warm-start that builds the demo's base policy (an HF checkpoint dir); with
+    --sft_slip=p it imitates a flawed teacher (teacher_completion) so the base lands at a known pass rate.
 
 Run:
   CPU, one process:  python train.py --run_dir=runs/x --init_checkpoint=runs/x/base --tokenizer=runs/x/tokenizer.model
