@@ -15,7 +15,7 @@ import train
 from tests.test_train import CFG, groups
 
 
-def _setup(lcfg, lr=1e-2, buckets=(16,), value_clip=0.0):
+def _setup(lcfg, lr=1e-2, buckets=(16,), value_clip=0.0, seed=0):
   m = model.make_mesh(1, 1, 1)
   jax.set_mesh(m)
   policy = model.shard_params(model.init_params(CFG, jax.random.PRNGKey(0)), CFG, m)
@@ -30,7 +30,7 @@ def _setup(lcfg, lr=1e-2, buckets=(16,), value_clip=0.0):
                                      value_clip=value_clip)
   prox = lambda p, b: train.proximal(p, b, cfg=CFG, temperature=1.0, compute_dtype=jnp.float32,  # noqa: E731
                                      attn_impl="ref")
-  batch, _, _ = train.rl_batch(groups(), lcfg, 0, buckets, 8)
+  batch, _, _ = train.rl_batch(groups(seed=seed), lcfg, 0, buckets, 8)
   return params, opt_state, opt, fn, prox, train.to_global(batch, NamedSharding(m, P(("data", "fsdp"))))
 
 
@@ -49,10 +49,15 @@ def test_one_epoch_one_minibatch_is_the_plain_update():
 
 def test_two_epochs_clip_with_a_fixed_proximal_policy():
   lcfg = dataclasses.replace(losses.ALGORITHMS["grpo"], kl_coef=0.0, tis_cap=2.0)
-  params, opt_state, opt, fn, prox, gb = _setup(lcfg, lr=0.3)
+  # seed 4: both groups have mixed rewards, so each minibatch (one group) has a non-zero gradient. (With seed 0 the
+  # first group's rewards are all 0: the first update is a no-op, and a test that the second minibatch's ratio is
+  # not 1 only passed while the proximal and the update's forward differed in the last bit.)
+  params, opt_state, opt, fn, prox, gb = _setup(lcfg, lr=0.3, seed=4)
   # The proximal log-probs are a fresh forward of the step's starting weights, bit for bit.
   lp_prox = jax.jit(prox)(params, gb)["prox_logp"]
-  lp_fresh = train.policy_logp(params, gb, cfg=CFG, temperature=1.0, compute_dtype=jnp.float32, attn_impl="ref")[0]
+  # (both jitted, as the trainer runs them: eager op-by-op execution fuses differently and may move the last bit)
+  lp_fresh = jax.jit(lambda p, b: train.policy_logp(p, b, cfg=CFG, temperature=1.0, compute_dtype=jnp.float32,
+                                                    attn_impl="ref")[0])(params, gb)
   np.testing.assert_array_equal(np.asarray(lp_prox), np.asarray(lp_fresh))
   one = jax.jit(train.make_train_step(opt, fn, 1, epochs=1, minibatches=2, prox_fn=prox))
   _, _, m1 = one(params, opt_state, None, gb)
