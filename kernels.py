@@ -63,41 +63,6 @@ HEAD_AXIS = "tensor"  # mesh axis the head dims are split over
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Batch-invariant reductions (issue 16: bitwise-equal worker and trainer log-probs).
-# XLA CPU's reduce emitter picks its vectorisation/accumulation order from the whole array's shape: the same row
-# of 16 or 128 floats sums to a different last bit in a [64, n] array than in a [1024, n] one (measured: rows
-# <= 128 vs >= 256 at n=16). The decode step reduces [B, S] rows and the trainer [B*T, S] rows, so every
-# softmax / RMSNorm / log-softmax sum differed by an ulp between the two paths. `rowsum` is a pairwise tree of
-# elementwise adds over halves of the last axis (zero-padded to a power of two): elementwise ops are computed
-# per element, so the result of a row depends only on that row, never on the batch or on other rows. Zero
-# entries at the end of a row (masked keys, a longer cache) do not change the result either: the tree of 2^m
-# entries whose second half is zero equals the tree of the first half. Max is exact in any order.
-
-def rowsum(x):
-  """Sum over the last axis, bitwise independent of the leading shape and of trailing zeros. [..., n] -> [...]."""
-  n = x.shape[-1]
-  p = 1 << max(n - 1, 0).bit_length()
-  if p != n:
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, p - n)])
-  while x.shape[-1] > 1:
-    h = x.shape[-1] // 2
-    x = x[..., :h] + x[..., h:]
-  return x[..., 0]
-
-
-def logsumexp(x):
-  """Batch-invariant fp32-exact-as-written log-sum-exp over the last axis: m + log(rowsum(exp(x - m)))."""
-  m = jnp.max(x, axis=-1)
-  return m + jnp.log(rowsum(jnp.exp(x - m[..., None])))
-
-
-def softmax(x):
-  """Batch-invariant softmax over the last axis: exp(x - max) / rowsum(...)."""
-  e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
-  return e / rowsum(e)[..., None]
-
-
-# ----------------------------------------------------------------------------------------------------------
 # References (pure jnp). These define the semantics; the kernels are tested against them.
 
 def attention_reference(q, k, v, segment_ids=None, *, causal=True, sm_scale=None):
@@ -114,7 +79,7 @@ def attention_reference(q, k, v, segment_ids=None, *, causal=True, sm_scale=None
   if segment_ids is not None:
     mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
   s = jnp.where(mask[:, None, None], s, NEG_INF)
-  p = softmax(s)  # batch-invariant: decode and training forward give the same bits
+  p = jax.nn.softmax(s, axis=-1)
   o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   return o.reshape(B, T, N, H).astype(q.dtype)
 
@@ -127,7 +92,7 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale=None):
   s = jnp.einsum("bkgh,bskh->bkgs", qg, k_cache, preferred_element_type=jnp.float32) * sm_scale
   valid = jnp.arange(S)[None, :] < lengths[:, None]  # [B,S]
   s = jnp.where(valid[:, None, None], s, NEG_INF)
-  p = softmax(s)  # batch-invariant: decode and training forward give the same bits
+  p = jax.nn.softmax(s, axis=-1)
   o = jnp.einsum("bkgs,bskh->bkgh", p.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
   return o.reshape(B, N, H).astype(q.dtype)
 

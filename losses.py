@@ -47,8 +47,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-import kernels
-
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "reinforce")
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce")
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
@@ -71,18 +69,16 @@ def _logp_entropy(logits, targets, temperature, with_entropy):
 
 def _logp_entropy_fwd(logits, targets, temperature, with_entropy):
   dt = _compute_dtype(logits.dtype)
-  # times 1/T, never / T: XLA rewrites a division by a constant into this product in some graphs and not in others,
-  # so the worker (rollout.sampling_logprobs) and this use the same explicit product to get the same bits.
-  s = logits.astype(dt) * (1.0 / temperature)  # under jit XLA may fuse this into the reductions below
+  s = logits.astype(dt) / temperature  # under jit XLA may fuse this into the reductions below
   m = jnp.max(s, axis=-1)
   e = jnp.exp(s - m[..., None])
-  z = kernels.rowsum(e)  # batch-invariant (kernels.rowsum): the worker's rollout.sampling_logprobs gets these bits
+  z = jnp.sum(e, axis=-1)
   lse = m + jnp.log(z)
   # Gather from the raw logits, then upcast: [B,T] work instead of [B,T,V].
-  tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0].astype(dt) * (1.0 / temperature)
+  tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0].astype(dt) / temperature
   es = None
   if with_entropy:  # E_p[s]; where() keeps -inf logits from giving 0 * -inf
-    es = kernels.rowsum(jnp.where(e > 0, e * s, 0)) / z
+    es = jnp.sum(jnp.where(e > 0, e * s, 0), axis=-1) / z
   ent = lse - es if with_entropy else jnp.zeros_like(lse)
   return (tgt - lse, ent), (logits, targets, lse, es)
 
@@ -91,7 +87,7 @@ def _logp_entropy_bwd(temperature, with_entropy, res, g):
   logits, targets, lse, es = res
   g_logp, g_ent = g
   dt = _compute_dtype(logits.dtype)
-  s = logits.astype(dt) * (1.0 / temperature)
+  s = logits.astype(dt) / temperature
   p = jnp.exp(s - lse[..., None])  # recomputed, not saved: the point of the custom VJP
   onehot = jnp.arange(logits.shape[-1]) == targets[..., None]
   ds = g_logp[..., None] * (onehot - p)  # d logp / ds = onehot - p

@@ -70,23 +70,13 @@ import json
 import math
 import os
 
-# Bitwise-equal worker and trainer log-probs on XLA CPU (issue 16; tests/test_exact.py). XLA CPU hands large
-# elementwise/reduce fusions to YNNPACK above a size threshold, with its own exp and summation order, so the same
-# row came out differently in a [B,1] decode step and a [B,T] forward. Only individual dots (whose per-row result
-# does not depend on the number of rows) stay on YNNPACK. XLA reads XLA_FLAGS when the backend starts, so this
-# must run before the first computation: importing model (train.py, rollout.py do at the top) suffices. Set
-# --xla_cpu_experimental_ynn_fusion_type yourself to override; TPU ignores it.
-if "xla_cpu_experimental_ynn_fusion_type" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_cpu_experimental_ynn_fusion_type=individual_dot").strip()
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-import kernels  # noqa: E402
+import kernels
 
 # ----------------------------------------------------------------------------------------------------- Config
 
@@ -400,8 +390,7 @@ def _dot(eq, x, w):
 def _rms_norm(x, w, eps):
   # fp32 statistics regardless of param dtype (HF does the same).
   x = x.astype(jnp.float32)
-  # kernels.rowsum, not jnp.mean: the same row gives the same bits in a [B,1,D] decode step and a [B,T,D] forward.
-  x = x * jax.lax.rsqrt(kernels.rowsum(x * x)[..., None] / x.shape[-1] + eps)
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
   return w.astype(jnp.float32) * x
 
 
@@ -490,15 +479,6 @@ def logits_from_hidden(params, cfg, h):
   return logits
 
 
-def _logits_rows(params, cfg, h):
-  """logits_from_hidden for h [B,D] (prefill's last tokens, a decode step), bitwise equal to the same rows of a
-  [B,T,D] forward: a 1-row product would take XLA CPU's matrix-vector path, whose accumulation order differs from
-  the matrix-matrix one every larger product uses, so one row is computed as two (issue 16)."""
-  if h.shape[0] != 1:
-    return logits_from_hidden(params, cfg, h)
-  return logits_from_hidden(params, cfg, jnp.concatenate([h, h], 0))[:1]
-
-
 def _check_tokens(tokens, ndim, what):
   if tokens.ndim != ndim or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"{what}: tokens must be an integer array of rank {ndim}, got {tokens.dtype}{tokens.shape}")
@@ -567,7 +547,7 @@ def prefill(params, cfg, tokens, lengths, cache, *, attn_impl="auto"):
   k = cache["k"].at[:, :, :T].set(jnp.where(m, k_new.astype(cache["k"].dtype), cache["k"][:, :, :T]))
   v = cache["v"].at[:, :, :T].set(jnp.where(m, v_new.astype(cache["v"].dtype), cache["v"][:, :, :T]))
   last = h[jnp.arange(B), lengths - 1]  # [B,D]
-  return _logits_rows(params, cfg, last), _constrain_cache({"k": k, "v": v, "lengths": lengths})
+  return logits_from_hidden(params, cfg, last), _constrain_cache({"k": k, "v": v, "lengths": lengths})
 
 
 def decode_step(params, cfg, tokens, cache, *, attn_impl="auto"):
@@ -589,7 +569,7 @@ def decode_step(params, cfg, tokens, cache, *, attn_impl="auto"):
   h, (k_new, v_new) = _run(params, cfg, tokens[:, None], lengths[:, None], attn, xs=(cache["k"], cache["v"]))
   k = cache["k"].at[:, rows, lengths].set(k_new.astype(cache["k"].dtype))
   v = cache["v"].at[:, rows, lengths].set(v_new.astype(cache["v"].dtype))
-  logits = _logits_rows(params, cfg, h[:, 0])
+  logits = logits_from_hidden(params, cfg, h[:, 0])
   return logits, _constrain_cache({"k": k, "v": v, "lengths": lengths + 1})
 
 

@@ -40,7 +40,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import data
-import kernels
 import model
 import shards
 
@@ -62,10 +61,9 @@ class SamplingConfig:
       raise ValueError(f"bad sampling config {self}")
 
 
-def _scaled_logits(logits, sc: SamplingConfig):
-  """[B,V] fp32 logits -> (s [B,V], lse [B]): the scaled, truncated logits we sample from and their log-sum-exp."""
-  # times 1/T as losses._logp_entropy_fwd does (not / T, which XLA may or may not rewrite into this product).
-  x = logits.astype(jnp.float32) * (1.0 / (sc.temperature if sc.temperature > 0 else 1.0))
+def sampling_logprobs(logits, sc: SamplingConfig):
+  """[B,V] fp32 logits -> [B,V] log-probs of the distribution we sample from (temperature, top-k, top-p)."""
+  x = logits.astype(jnp.float32) / (sc.temperature if sc.temperature > 0 else 1.0)
   if sc.top_k:
     kth = jax.lax.top_k(x, sc.top_k)[0][:, -1:]
     x = jnp.where(x < kth, -jnp.inf, x)
@@ -77,30 +75,17 @@ def _scaled_logits(logits, sc: SamplingConfig):
     keep_sorted = (jnp.cumsum(sp, -1) - sp) < sc.top_p
     keep = jnp.zeros_like(keep_sorted).at[jnp.arange(x.shape[0])[:, None], order].set(keep_sorted)
     x = jnp.where(keep, x, -jnp.inf)
-  # The trainer's log-sum-exp (losses._logp_entropy_fwd: m + log(rowsum(exp(s - m)))), batch-invariant.
-  return x, kernels.logsumexp(x)
-
-
-def sampling_logprobs(logits, sc: SamplingConfig):
-  """[B,V] fp32 logits -> [B,V] log-probs of the distribution we sample from (temperature, top-k, top-p)."""
-  x, lse = _scaled_logits(logits, sc)
-  return x - lse[:, None]
+  return jax.nn.log_softmax(x, -1)
 
 
 def sample(logits, keys, sc: SamplingConfig):
-  """Returns (tokens [B] int32, behaviour log-probs [B] fp32).
-
-  The log-prob of the sampled token is s[tok] - lse, the trainer's own expression (losses._logp_entropy_fwd:
-  tgt - lse), computed on [B] values: with the same weights, tokens and mesh it is bitwise what the trainer
-  recomputes (issue 16; tests/test_exact.py). Taking it from the broadcast [B,V] subtraction instead can differ in
-  the last bit (XLA fuses that subtraction differently)."""
-  x, lse = _scaled_logits(logits, sc)
-  logp = x - lse[:, None]
+  """Returns (tokens [B] int32, behaviour log-probs [B] fp32)."""
+  logp = sampling_logprobs(logits, sc)
   if sc.temperature == 0:
     tok = jnp.argmax(logp, -1)
   else:
     tok = jax.vmap(jax.random.categorical)(keys, logp)
-  return tok.astype(jnp.int32), jnp.take_along_axis(x, tok[:, None], -1)[:, 0] - lse
+  return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
 
 
 def prompt_key(seed: int, prompt_id: str):
