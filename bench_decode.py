@@ -3,8 +3,8 @@
 What is measured (both sides on one checkpoint directory, the same B prompts of P random tokens, N new tokens
 per prompt, greedy, no early stop):
   ours  rollout.Engine(cfg, SamplingConfig(temperature=0, max_new_tokens=N, stop_ids=()), slots=B,
-        max_prompt_len=P, chunk_steps=C): B inserts (each a batch-1 prefill broadcast into its slot, as the
-        worker does) then run_chunk until no slot is active (one host sync per chunk).  Compile time is
+        max_prompt_len=P, chunk_steps=C): one insert of the B prompts (a batched prefill, as the worker does
+        with the prompts it leases together) then run_chunk until no slot is active (one host sync per chunk).  Compile time is
         excluded by a full warm-up pass with the same shapes (reported as compile_s, that pass's time).
         stop_ids=() so every slot makes exactly N tokens; when C does not divide N the last chunk's extra
         steps are paid for (that is the engine's real cost).
@@ -26,6 +26,12 @@ Needs torch and transformers (in requirements-dev.txt; the rest of the repo does
   python bench_decode.py                                   # defaults: B=8, P=64, N=64, D=384, L=4, V=2048
   python bench_decode.py --checkpoint=runs/local/base --batch=16 --new_tokens=32 --json=decode.json
   python bench_decode.py --quick                           # tiny smoke run (tests/test_bench.py)
+  python bench_decode.py --preset=all --hf_threads=1,2      # issue 17's three shapes (demo, big, long), a table
+
+Roofline: after the timed rounds the script measures this machine's copy bandwidth (numpy copy and a jitted
+elementwise op, the faster) and fp32 matmul peak (2048^3), and prints the limit for one decode step at the
+mean context P + N/2 (every fp32 weight read once plus each row's K/V, or the matmul FLOPs, whichever takes
+longer) beside ours (decode seconds / N): `x limit` = ours / limit.
 """
 import argparse
 import json
@@ -55,6 +61,16 @@ def add_shape_flags(p, defaults, suffix=""):
     p.add_argument(f"--{name}", type=int, default=defaults[name], help=f"{what} ({unit}){suffix}")
 
 
+# --preset: the three shapes issue 17 measures (model and generation shape; the flags below override none of it).
+PRESETS = dict(
+    demo=dict(d_model=384, n_layers=4, n_heads=6, n_kv_heads=2, ffw_dim=1024, vocab=2048, batch=8, prompt_len=64,
+              new_tokens=64),
+    big=dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=2, ffw_dim=1536, vocab=32768, batch=64, prompt_len=64,
+             new_tokens=128),
+    long=dict(d_model=384, n_layers=4, n_heads=6, n_kv_heads=2, ffw_dim=1024, vocab=2048, batch=8, prompt_len=512,
+              new_tokens=512))
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -74,7 +90,12 @@ def parse_args(argv=None):
   p.add_argument("--json", default=None, help="write the results as JSON to this path (file)")
   p.add_argument("--quick", action="store_true", help="tiny shapes, 1 round, hf at 1 thread unless "
                  "--hf_threads; for tests (overrides the shape flags)")
+  p.add_argument("--preset", choices=sorted(PRESETS) + ["all"], default=None, help="model + generation shape of "
+                 f"issue 17 (overrides the shape, batch and length flags): {PRESETS}; all = the three in turn, "
+                 "then a summary table")
   a = p.parse_args(argv)
+  if a.preset in PRESETS:
+    vars(a).update(PRESETS[a.preset])
   if a.quick:
     vars(a).update(QUICK_SHAPE)
     a.batch, a.prompt_len, a.new_tokens, a.chunk_steps, a.reps = 2, 8, 8, 4, 1
@@ -113,15 +134,45 @@ def make_checkpoint(a, path):
   model.save_hf_checkpoint(path, cfg, random_params(cfg, a.seed))
 
 
+def memory_bandwidth(nbytes=256 << 20, reps=5):
+  """Best measured bytes/s (read + written) of copying nbytes: numpy's copy (one thread) and a jitted
+  elementwise op (XLA's threads); the larger. The bound a decode step's weight and KV-cache reads meet."""
+  a = np.ones(nbytes // 4, np.float32)
+  b = np.empty_like(a)
+  t_np = min(_timed(lambda: np.copyto(b, a)) for _ in range(reps))
+  x = jnp.asarray(a)
+  f = jax.jit(lambda x: x * 1.0001)
+  f(x).block_until_ready()
+  t_jax = min(_timed(lambda: f(x).block_until_ready()) for _ in range(reps))
+  return 2 * nbytes / min(t_np, t_jax)
+
+
+def _timed(fn):
+  t = time.perf_counter()
+  fn()
+  return time.perf_counter() - t
+
+
+def decode_roofline(cfg, n_params, B, P, N, bytes_per_s, flops_per_s):
+  """This machine's limit for one decode step at the mean context P + N/2: (seconds, what binds). Bytes: every
+  weight once (fp32) + each row's K and V up to its context; FLOPs: 2 x weights x B + attention 4*L*N*H*ctx*B."""
+  ctx = P + N / 2
+  kv = B * ctx * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 4
+  emb = cfg.vocab_size * cfg.d_model  # the input embedding is a gather of B rows; tied: the lm head reads it all
+  weight_bytes = 4 * n_params
+  flops = 2 * (n_params - (0 if cfg.tie_embeddings else emb)) * B + 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * ctx * B
+  t_mem, t_flop = (weight_bytes + kv) / bytes_per_s, flops / flops_per_s
+  return (t_mem, "memory") if t_mem >= t_flop else (t_flop, "matmul")
+
+
 def run_ours(engine, params, prompts, dtype):
   """One full generation; returns (prefill s, decode s, tokens [B,N])."""
   B = len(prompts)
   engine.reset(dtype)
   jax.block_until_ready(engine.state)
-  keys = jnp.zeros((1, 2), jnp.uint32)  # greedy: keys unused
+  keys = np.zeros((1, 2), np.uint32)  # greedy: keys unused
   t0 = time.perf_counter()
-  for b in range(B):
-    engine.insert(params, [b], prompts[b], keys)
+  engine.insert(params, [([b], prompts[b], keys) for b in range(B)])  # one batched prefill, as the worker does
   jax.block_until_ready(engine.state)
   t1 = time.perf_counter()
   while engine.run_chunk(params).any():  # run_chunk's host sync ends each chunk
@@ -208,6 +259,15 @@ def main(argv=None):
       ratio_prefill_time=o["prefill_s_best"] / h["prefill_s_best"],
       greedy_match=bool(equal.all()), greedy_match_fraction=float(equal.mean()))
 
+  # The machine's limit for this shape, measured now (after the timed rounds, under the same load).
+  import bench_train  # here, not at the top: bench_train imports this module
+  bw = memory_bandwidth()
+  peak = bench_train.matmul_flops_per_s(2048, 2048, 2048, 3, a.seed)
+  limit_s, binds = decode_roofline(cfg, n_params, B, P, N, bw, peak)
+  step_s = o["decode_s_best"] / N
+  res["roofline"] = dict(bytes_per_s=bw, matmul_flops_per_s=peak, limit_step_s=limit_s, binds=binds,
+                         ours_step_s=step_s, ours_over_limit=step_s / limit_s)
+
   rows = [("ours", o)] + [(f"hf@{th}t", r) for th, r in h_all.items()]
   for name, r in rows:
     print(f"{name:7s} prefill {r['prefill_s_best'] * 1e3:8.1f} ms  decode {r['decode_s_best'] * 1e3:8.1f} ms  "
@@ -218,11 +278,35 @@ def main(argv=None):
         f"decode-only tok/s {res['ratio_decode_tokens_per_s']:.2f}x; prefill time ours/hf "
         f"{res['ratio_prefill_time']:.2f}")
   print(f"greedy_match={res['greedy_match']} ({equal.sum()}/{equal.size} tokens equal)")
+  print(f"roofline: measured {bw / 1e9:.1f} GB/s copy, {peak / 1e9:.1f} GFLOP/s fp32 matmul -> limit "
+        f"{limit_s * 1e3:.2f} ms per decode step ({binds}-bound); ours {step_s * 1e3:.2f} ms = "
+        f"{step_s / limit_s:.2f}x the limit")
   if a.json:
     with open(a.json, "w") as f:
       json.dump(res, f, indent=1)
   return res
 
 
+def main_all(argv):
+  """--preset=all: each preset in turn (same other flags), then one table."""
+  rest = [x for x in argv if not x.startswith(("--preset", "--json"))]
+  out = {}
+  for name in PRESETS:
+    print(f"\n== preset {name}")
+    out[name] = main(rest + [f"--preset={name}"])
+  path = next((x.split("=", 1)[1] for x in argv if x.startswith("--json=")), None)
+  if path:
+    with open(path, "w") as f:
+      json.dump(out, f, indent=1)
+  print(f"\n{'preset':7s} {'ours tok/s':>11s} {'hf tok/s':>9s} {'ours/hf':>8s} {'step ms':>8s} {'limit ms':>9s} "
+        f"{'x limit':>8s}")
+  for name, r in out.items():
+    print(f"{name:7s} {r['ours']['tokens_per_s']:11.1f} {r['hf']['tokens_per_s']:9.1f} {r['ratio_tokens_per_s']:7.2f}x "
+          f"{r['roofline']['ours_step_s'] * 1e3:8.2f} {r['roofline']['limit_step_s'] * 1e3:9.2f} "
+          f"{r['roofline']['ours_over_limit']:7.2f}x")
+  return out
+
+
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  argv = sys.argv[1:]
+  main_all(argv) if "--preset=all" in argv else main(argv)

@@ -49,6 +49,24 @@ def exactly_once(records):
               twice_trained=len(ids) - len(set(ids)))
 
 
+def balance(records):
+  """Trainer vs workers from the step records: medians over steps of the trainer's wait fraction and the
+  workers' busy fraction, tokens/s and waits, and the worker count that would keep the trainer busy:
+  tokens a step trains / (one worker's decode capacity x the trainer's compute seconds per step), where a
+  worker's capacity is its tokens/s over its busy fraction. None without worker figures."""
+  recs = [r for r in final_records(records) if "worker_busy_frac" in r and r.get("worker_tok_s")]
+  if not recs:
+    return None
+  med = lambda k: sorted(float(r.get(k, 0.0)) for r in recs)[len(recs) // 2]  # noqa: E731
+  capacity = med("worker_tok_s") / max(med("worker_busy_frac"), 1e-9)
+  # Tokens the workers generate per trained step: the trained ones plus the groups dropped (zero variance, stale).
+  gen = [len(r["rollout_ids"]) + r.get("zero_var_dropped", 0) + r.get("stale_dropped", 0) for r in recs]
+  step_tokens = med("tokens_per_s") * med("step_s") * sum(gen) / max(sum(len(r["rollout_ids"]) for r in recs), 1)
+  return dict(steps=len(recs), trainer_wait_frac=med("trainer_wait_frac"), worker_busy_frac=med("worker_busy_frac"),
+              worker_tok_s=med("worker_tok_s"), worker_wait_prompts_frac=med("worker_wait_prompts_frac"),
+              workers=med("workers"), workers_to_match=step_tokens / max(capacity * (med("step_s") + med("push_s")), 1e-9))
+
+
 def plot(run_dir, out=None):
   import matplotlib
   matplotlib.use("Agg")
@@ -107,6 +125,12 @@ def main(argv):
   chk = exactly_once(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
   print(f"trained rollouts: {chk['rollouts']} in {chk['steps']} steps; twice-trained: {chk['twice_trained']}; "
         f"missing steps: {len(chk['missing_steps'])}; step records rewritten after a restart: {chk['redone_steps']}")
+  b = balance(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
+  if b:  # which side to grow: README "Sizing workers against the trainer"
+    print(f"balance (median of {b['steps']} steps): trainer waits for rollouts {100 * b['trainer_wait_frac']:.0f}% of "
+          f"a step; workers ({b['workers']:.0f} sending per step) decode {100 * b['worker_busy_frac']:.0f}% of the time "
+          f"at {b['worker_tok_s']:.0f} tok/s, wait for prompts {100 * b['worker_wait_prompts_frac']:.0f}%; "
+          f"workers that would keep the trainer busy: {b['workers_to_match']:.1f}")
   for e in read_jsonl(os.path.join(run_dir, "events.jsonl")):
     print(f"  preemption: step {e['step']}: {e['role']} {e['event']} (pid {e['pid']})")
   print(f"curves: {plot(run_dir, out)}")

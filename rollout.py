@@ -32,8 +32,11 @@ import dataclasses
 import json
 import math
 import os
+import queue
+import threading
 import time
 import zlib
+from collections import deque
 
 import jax
 import jax.numpy as jnp
@@ -78,13 +81,38 @@ def sampling_logprobs(logits, sc: SamplingConfig):
   return jax.nn.log_softmax(x, -1)
 
 
+def _last_positive(p):
+  """[..., n] -> index of the last entry > 0 (0 if none): where a sampled index is clamped after fp32 rounding."""
+  return jnp.max(jnp.where(p > 0, jnp.arange(p.shape[-1]), 0), -1)
+
+
+def inverse_cdf_sample(logp, keys, block: int = 128):
+  """One draw per row of the categorical exp(logp) [B,V], with ONE uniform per row (keys [B,2]).
+
+  Gumbel-max (jax.random.categorical) draws V random numbers per row: at V=32k, batch 64 that was 28% of a decode step
+  on CPU (issue 17). Inverse-CDF needs one, and two levels (block sums of `block` tokens, then the running sum
+  inside the chosen block) keep each running sum short, so fp32 rounding moves a token's interval by
+  ~1e-7 x its block's mass, not x 1. A token of probability 0 (cut by top-k/top-p) is never drawn: its
+  interval is empty, and an index pushed past the end by rounding is clamped to the last positive one.
+  """
+  B, V = logp.shape
+  nb = -(-V // block)
+  p = jnp.pad(jnp.exp(logp), ((0, 0), (0, nb * block - V))).reshape(B, nb, block)  # padding: probability 0
+  mass = p.sum(-1)  # [B, nb]
+  ends = jnp.cumsum(mass, -1)
+  u = jax.vmap(jax.random.uniform)(keys) * ends[:, -1]
+  b = jnp.minimum(jnp.sum(ends <= u[:, None], -1), _last_positive(mass))
+  start = jnp.take_along_axis(ends - mass, b[:, None], -1)[:, 0]
+  inb = jnp.take_along_axis(p, b[:, None, None], 1)[:, 0]  # [B, block]
+  i = jnp.minimum(jnp.sum(jnp.cumsum(inb, -1) <= (u - start)[:, None], -1), _last_positive(inb))
+  return b * block + i
+
+
 def sample(logits, keys, sc: SamplingConfig):
-  """Returns (tokens [B] int32, behaviour log-probs [B] fp32)."""
+  """Returns (tokens [B] int32, behaviour log-probs [B] fp32): the log-prob of each drawn token under the
+  distribution it was drawn from."""
   logp = sampling_logprobs(logits, sc)
-  if sc.temperature == 0:
-    tok = jnp.argmax(logp, -1)
-  else:
-    tok = jax.vmap(jax.random.categorical)(keys, logp)
+  tok = jnp.argmax(logp, -1) if sc.temperature == 0 else inverse_cdf_sample(logp, keys)
   return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
 
 
@@ -92,12 +120,18 @@ def prompt_key(seed: int, prompt_id: str):
   return jax.random.fold_in(jax.random.PRNGKey(seed), zlib.crc32(prompt_id.encode()) & 0x7FFFFFFF)
 
 
+def group_keys(seed: int, prompt_id: str, G: int):
+  """[G,2] keys of a prompt's G samples: sample j folds j into the prompt's key."""
+  return jax.vmap(lambda j: jax.random.fold_in(prompt_key(seed, prompt_id), j))(jnp.arange(G))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Continuous-batching generation engine
 
 
 class Engine:
-  """Slots x KV cache generation.  Host API: insert(slots, prompt_tokens, keys), run_chunk(), finished rows."""
+  """Slots x KV cache generation.  Host API: insert(params, [(slots, prompt_tokens, keys), ...]), run_chunk(),
+  rows() of the finished slots."""
 
   def __init__(self, cfg, sc: SamplingConfig, slots: int, max_prompt_len: int, chunk_steps: int = 8,
                attn_impl="auto", prompt_buckets=(16, 32, 64, 128, 256, 512, 1024, 2048)):
@@ -123,18 +157,20 @@ class Engine:
         keys=jnp.zeros((B, 2), jnp.uint32),
     )
 
-  def _insert_fn(self, params, st, prompt, length, slots, keys):
-    # Prefill one prompt (batch 1) and broadcast its cache row into the G slots of its group.
-    one = model.init_cache(self.cfg, 1, self.S, st["cache"]["k"].dtype)
-    logits, one = model.prefill(params, self.cfg, prompt[None], length[None], one, attn_impl=self.attn_impl)
+  def _insert_fn(self, params, st, prompts, lengths, rows, slots, keys):
+    # Prefill n prompts [n,T] as one batch into a T-long cache, then copy prompt rows[j]'s cache row into slot
+    # slots[j] (a prompt with G samples fills G slots; positions past T are never read: decode attends below
+    # each slot's length). Padding entries have slot == B, out of range: mode="drop" skips their writes.
+    n, T = prompts.shape
+    one = model.init_cache(self.cfg, n, T, st["cache"]["k"].dtype)
+    logits, one = model.prefill(params, self.cfg, prompts, lengths, one, attn_impl=self.attn_impl)
     c = st["cache"]
-    cache = dict(c, k=c["k"].at[:, slots].set(one["k"][:, 0][:, None]),
-                 v=c["v"].at[:, slots].set(one["v"][:, 0][:, None]),
-                 lengths=c["lengths"].at[slots].set(length))
-    return dict(st, cache=cache, logits=st["logits"].at[slots].set(logits[0]),
-                active=st["active"].at[slots].set(True), n_gen=st["n_gen"].at[slots].set(0),
-                tokens=st["tokens"].at[slots].set(0), logp=st["logp"].at[slots].set(0.0),
-                keys=st["keys"].at[slots].set(keys))
+    put = lambda a, v: a.at[slots].set(v, mode="drop")  # noqa: E731
+    cache = dict(c, k=c["k"].at[:, slots, :T].set(one["k"][:, rows], mode="drop"),
+                 v=c["v"].at[:, slots, :T].set(one["v"][:, rows], mode="drop"), lengths=put(c["lengths"], lengths[rows]))
+    return dict(st, cache=cache, logits=put(st["logits"], logits[rows]), active=put(st["active"], True),
+                n_gen=put(st["n_gen"], 0), tokens=put(st["tokens"], 0), logp=put(st["logp"], 0.0),
+                keys=put(st["keys"], keys))
 
   def _chunk_fn(self, params, st):
     sc, B, M = self.sc, self.B, self.M
@@ -165,12 +201,25 @@ class Engine:
         return b
     raise ValueError(f"prompt of {n} tokens exceeds max_prompt_len={self.buckets[-1]}")
 
-  def insert(self, params, slots, prompt_tokens, keys):
-    n = len(prompt_tokens)
-    padded = np.zeros(self.bucket(n), np.int32)
-    padded[:n] = prompt_tokens
-    self.state = self._insert(params, self.state, jnp.asarray(padded), jnp.int32(n),
-                              jnp.asarray(slots, jnp.int32), keys)
+  def insert(self, params, groups):
+    """Prefills the prompts of groups = [(slots, prompt_tokens, keys [len(slots), 2]), ...] in one batch and
+    starts their slots. The batch is padded to a power of two prompts and the longest prompt's bucket, so the
+    compiled shapes stay few (log2(slots) x buckets)."""
+    n = 1 << (len(groups) - 1).bit_length()
+    T = self.bucket(max(len(p) for _, p, _ in groups))
+    prompts, lengths = np.zeros((n, T), np.int32), np.ones(n, np.int32)
+    rows, slots, keys = [], [], []
+    for i, (sl, p, k) in enumerate(groups):
+      prompts[i, :len(p)], lengths[i] = p, len(p)
+      rows += [i] * len(sl)
+      slots += list(sl)
+      keys.append(np.asarray(k, np.uint32).reshape(len(sl), 2))
+    m = 1 << (len(slots) - 1).bit_length()
+    pad = m - len(slots)
+    rows, slots = np.asarray(rows + [0] * pad, np.int32), np.asarray(slots + [self.B] * pad, np.int32)
+    keys = np.concatenate(keys + [np.zeros((pad, 2), np.uint32)])
+    self.state = self._insert(params, self.state, jnp.asarray(prompts), jnp.asarray(lengths), jnp.asarray(rows),
+                              jnp.asarray(slots), jnp.asarray(keys))
 
   def run_chunk(self, params):
     self.state = self._chunk(params, self.state)
@@ -196,12 +245,14 @@ def generate_groups(engine, params, items, group_size, seed, on_group=None):
   pending, out, groups = list(items), {}, {}  # groups: pid -> slots
   free = list(range(B))
   while pending or groups:
+    new = []
     while pending and len(free) >= G:
       pid, toks = pending.pop(0)
       slots, free = free[:G], free[G:]
-      keys = jax.vmap(lambda j, k=prompt_key(seed, pid): jax.random.fold_in(k, j))(jnp.arange(G))
-      engine.insert(params, slots, toks, keys)
+      new.append((slots, toks, group_keys(seed, pid, G)))
       groups[pid] = slots
+    if new:
+      engine.insert(params, new)  # every prompt that fits, prefilled as one batch
     active = engine.run_chunk(params)
     for pid, slots in list(groups.items()):
       if not active[slots].any():
@@ -213,6 +264,113 @@ def generate_groups(engine, params, items, group_size, seed, on_group=None):
         free += slots
         del groups[pid]
   return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What keeps the decode loop busy: weights download and rollouts are scored and sent on background threads
+
+
+class Sender:
+  """Runs fn(job) for each submitted job, in order, on one background thread: the worker scores (the verifier
+  pool's processes), puts and acks finished groups there, so decoding never waits for a verifier or the network.
+  The queue is bounded: if sending falls `maxsize` groups behind, submit blocks (decoding waits). The first
+  exception stops the sending and is re-raised on the loop's thread by check() / submit() / close()."""
+
+  def __init__(self, fn, maxsize: int):
+    self.fn, self.q, self.error = fn, queue.Queue(maxsize), None
+    self.thread = threading.Thread(target=self._run, daemon=True, name="sender")
+    self.thread.start()
+
+  def _run(self):
+    while (job := self.q.get()) is not None:
+      if self.error is None:  # after an error keep draining, so submit never blocks on a dead consumer
+        try:
+          self.fn(job)
+        except BaseException as e:  # noqa: BLE001  (handed to the loop's thread, which raises it)
+          self.error = e
+
+  def check(self):
+    if self.error is not None:
+      raise self.error
+
+  def submit(self, job):
+    self.check()
+    self.q.put(job)
+
+  def close(self):
+    """Sends everything submitted, then stops."""
+    self.q.put(None)
+    self.thread.join()
+    self.check()
+
+
+class Puller:
+  """Downloads the next weight version on a background thread while the loop decodes with the current one.
+
+  Double-buffered: the version in use plus at most one newer, complete version waiting to be taken, so a worker
+  holds at most two versions of its weight slices (the next pull starts only after take()). pull(manifest) ->
+  params or None (version gone: the next manifest is tried). take() returns (manifest, params) once a newer
+  version is complete, else None; the loop calls it between chunks, so a swap never waits for the network."""
+
+  def __init__(self, client, pull, version: int, poll_s: float = 1.0):
+    self.client, self.pull, self.version, self.poll_s = client, pull, version, poll_s
+    self.ready, self.error, self.closed = None, None, False
+    self.taken = threading.Event()
+    self.taken.set()
+    self.thread = threading.Thread(target=self._run, daemon=True, name="puller")
+    self.thread.start()
+
+  def _run(self):
+    try:
+      while not self.closed:
+        if not self.taken.wait(self.poll_s):
+          continue  # the last version is not taken yet: a third copy would not fit the memory plan
+        m = self.client.manifest(newer_than=self.version, wait_s=self.poll_s)  # long poll
+        if m is None or self.closed:
+          continue
+        new = self.pull(m)
+        if new is not None:
+          self.version = m["version"]
+          self.taken.clear()
+          self.ready = (m, new)
+    except BaseException as e:  # noqa: BLE001  (raised on the loop's thread by take())
+      self.error = e
+
+  def take(self):
+    if self.error is not None:
+      raise self.error
+    r, self.ready = self.ready, None
+    if r is not None:
+      self.taken.set()
+    return r
+
+  def close(self):
+    self.closed = True
+    self.taken.set()
+    self.thread.join(timeout=10 * self.poll_s)  # a pull in progress is abandoned (daemon thread)
+
+
+class Window:
+  """Rates of a worker's running totals over the last span_s seconds: add(decode_s=...) then rates() ->
+  {name: total gained per second over the window}, e.g. decode seconds per second = busy fraction."""
+
+  def __init__(self, span_s: float = 30.0):
+    self.span_s, self.totals, self.marks = span_s, {}, deque()
+
+  def add(self, **amounts):
+    for k, v in amounts.items():
+      self.totals[k] = self.totals.get(k, 0.0) + v
+    now = time.time()
+    self.marks.append((now, dict(self.totals)))
+    while len(self.marks) > 2 and now - self.marks[1][0] >= self.span_s:
+      self.marks.popleft()
+
+  def rates(self):
+    if not self.marks:
+      return {}
+    t0, c0 = self.marks[0]
+    dt = max(time.time() - t0, 1e-9)
+    return {k: (v - c0.get(k, 0.0)) / dt for k, v in self.totals.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -403,95 +561,146 @@ def run_worker():
   free = list(range(FLAGS.slots))
   group_size = 1  # learnt from the first prompt item
   groups = {}  # item id -> dict(item, slots, version, t0)
-  n_sent, t_start, tokens_out = 0, time.time(), 0
+  sent = dict(groups=0, tokens=0)
+  t_start = time.time()
   drain_deadline = None
-
   failed = []  # ids of the items that failed since the last success (reset by a success)
+  # The decode loop below only decodes and leases: the next weights download on the puller's thread, and
+  # finished groups are scored, put and acked on the sender's, each with its own connection (a long poll or
+  # a slow put on one never holds up another). window: this worker's busy fraction and rates, sent with
+  # every rollout (the trainer logs them per step in metrics.jsonl).
+  puller = Puller(_client(token), pull, version)
+  window = Window()
 
-  def start(item):
-    G = int(item["group_size"])
-    slots = [free.pop(0) for _ in range(G)]
-    keys = jax.vmap(lambda j, k=prompt_key(FLAGS.seed, item["id"]): jax.random.fold_in(k, j))(jnp.arange(G))
+  def send(job):
+    """Sender thread: score one finished group, put its rollout, then ack its prompt."""
+    it, gid = job["item"], job["id"]
+    try:  # scoring and sending one item: a bad item is reported and skipped, never the end of the worker
+      problem = data.Problem(id=it["prompt_id"], prompt=it["prompt"], answer=it["answer"], task=it["task"],
+                             tests=tuple(it["tests"]) if it.get("tests") else None)
+      comps = job["completions"]
+      rewards = pool.score([problem] * len(comps), [tok.decode(c.tolist()) for c in comps])
+      rollout = dict(id=gid, version=int(job["version"]), worker=wid,
+                     prompt_id=it["prompt_id"], prompt=it["prompt"], answer=it["answer"], task=it["task"],
+                     tests=it.get("tests"), prompt_tokens=np.asarray(it["prompt_tokens"], np.int32),
+                     completions=comps, logprobs=job["logprobs"],
+                     rewards=np.asarray(rewards, np.float32), gen_s=job["gen_s"], **job["stats"])
+      send_client.put("rollouts", [rollout])
+    except Exception as e:
+      return fail_item(send_client, gid, e, failed)
+    failed.clear()
+    # Ack the prompt only after its rollout is safely queued: a crash in between re-issues the prompt, and
+    # the server drops the duplicate rollout by id.
+    send_client.ack("prompts", [gid])
+    sent["groups"] += 1
+    sent["tokens"] += int(sum(len(c) for c in comps))
+    if sent["groups"] % 20 == 0:
+      logging.info("worker %s v%d: %d groups sent, %.1f tok/s", wid, version, sent["groups"],
+                   sent["tokens"] / (time.time() - t_start))
+
+  send_client = _client(token)
+  sender = Sender(send, maxsize=max(FLAGS.slots, 1))
+
+  def start(items):
+    """Prefills the items' prompts as one batch into free slots. An item whose prompt cannot run (not token
+    ids of this vocab, longer than the cache) fails alone (reported); the others start."""
+    batch = []
+    for item in items:
+      try:
+        p = np.asarray(item["prompt_tokens"])
+        if p.ndim != 1 or not 1 <= len(p) <= engine.buckets[-1]:  # the trainer skips such prompts at load
+          raise ValueError(f"prompt {item.get('prompt_id')!r} of {p.size} tokens exceeds max_prompt_len="
+                           f"{engine.buckets[-1]} (or is empty)")
+        if p.dtype.kind not in "iu" or p.min() < 0 or p.max() >= cfg.vocab_size:
+          raise ValueError(f"prompt {item.get('prompt_id')!r}: prompt_tokens are not token ids in [0, {cfg.vocab_size})")
+      except Exception as e:  # this item fails (reported, re-issued, quarantined after --max_failures)
+        fail_item(client, item["id"], e, failed)
+        continue
+      slots = [free.pop(0) for _ in range(int(item["group_size"]))]
+      batch.append((item, slots, p.astype(np.int32)))
+    if not batch:
+      return
     try:
-      n = len(item["prompt_tokens"])
-      if n > engine.buckets[-1]:  # the trainer skips such prompts at load; one from elsewhere fails, logged
-        raise ValueError(f"prompt {item.get('prompt_id')!r} of {n} tokens exceeds max_prompt_len={engine.buckets[-1]}")
-      engine.insert(params, slots, np.asarray(item["prompt_tokens"], np.int32), keys)
-    except Exception as e:  # e.g. a prompt longer than the cache: this item fails (reported), the worker goes on
-      free.extend(slots)
-      return fail_item(client, item["id"], e, failed)
-    groups[item["id"]] = dict(item=item, slots=slots, version=version, t0=time.time())
+      engine.insert(params, [(sl, p, group_keys(FLAGS.seed, it["id"], len(sl))) for it, sl, p in batch])
+    except Exception as e:  # not an item's fault as far as we could check: report each, the worker goes on
+      for it, sl, _ in batch:
+        free.extend(sl)
+        fail_item(client, it["id"], e, failed)
+      return
+    for it, sl, _ in batch:
+      groups[it["id"]] = dict(item=it, slots=sl, version=version, t0=time.time())
 
-  while True:
-    if stop.requested and drain_deadline is None:
-      drain_deadline = time.time() + FLAGS.drain_s
-      logging.info("worker %s: SIGTERM, draining %d groups", wid, len(groups))
-    if drain_deadline is not None and (not groups or time.time() > drain_deadline):
-      break
-    # New weights between chunks; in-flight groups keep their (older) tag.
-    m = client.manifest(newer_than=version)
-    new = m and pull(m)
-    if new:
-      version, params = m["version"], new
-    # Refill free slots with leased prompts (none while draining).
-    if drain_deadline is None and len(free) >= group_size:
-      # Lease only what fits now (group_size: the last group's G), so no prompt waits in a busy worker.
-      items = client.get("prompts", max_items=len(free) // group_size, wait_s=0.0 if groups else 1.0,
-                         lease_s=FLAGS.lease_s)
-      for item in items:
-        if not isinstance(item.get("group_size"), int) or item["group_size"] < 1:
-          fail_item(client, item["id"], ValueError(f"group_size={item.get('group_size')!r} is not an int >= 1"),
-                    failed)
+  try:
+    while True:
+      if stop.requested and drain_deadline is None:
+        drain_deadline = time.time() + FLAGS.drain_s
+        logging.info("worker %s: SIGTERM, draining %d groups", wid, len(groups))
+      if drain_deadline is not None and (not groups or time.time() > drain_deadline):
+        break
+      # New weights between chunks, if the puller has a complete newer version; in-flight groups keep their
+      # (older) tag.
+      new = puller.take()
+      if new:
+        version, params = new[0]["version"], new[1]
+      # Refill free slots with leased prompts (none while draining).
+      if drain_deadline is None and len(free) >= group_size:
+        # Lease only what fits now (group_size: the last group's G), so no prompt waits in a busy worker.
+        t = time.time()
+        items = client.get("prompts", max_items=len(free) // group_size, wait_s=0.0 if groups else 1.0,
+                           lease_s=FLAGS.lease_s)
+        window.add(wait_prompts_s=0.0 if groups else time.time() - t)  # idle: nothing to decode meanwhile
+        fits, room = [], len(free)
+        for item in items:
+          if not isinstance(item.get("group_size"), int) or item["group_size"] < 1:
+            fail_item(client, item["id"], ValueError(f"group_size={item.get('group_size')!r} is not an int >= 1"),
+                      failed)
+            continue
+          group_size = item["group_size"]
+          if group_size > FLAGS.slots:  # this worker's configuration, not the item: fail loudly
+            raise ValueError(f"group_size={group_size} > --slots={FLAGS.slots}")
+          if group_size <= room:
+            fits.append(item)
+            room -= group_size
+          else:  # not enough room now: hand it straight back so another worker can take it
+            client.requeue("prompts", [item["id"]])
+        start(fits)
+      sender.check()
+      if not groups:
+        continue
+      t = time.time()
+      active = engine.run_chunk(params)
+      window.add(decode_s=time.time() - t)
+      done = [gid for gid, g in groups.items() if not active[g["slots"]].any()]
+      if not done:
+        continue
+      latest = client.latest_version()
+      for gid in done:
+        g = groups.pop(gid)
+        toks, lps, n = engine.rows(g["slots"])
+        free.extend(g["slots"])
+        if latest - g["version"] > FLAGS.max_staleness and drain_deadline is None:
+          start([g["item"]])  # too stale for the trainer: regenerate with the newest weights
           continue
-        group_size = item["group_size"]
-        if group_size > FLAGS.slots:  # this worker's configuration, not the item: fail loudly
-          raise ValueError(f"group_size={group_size} > --slots={FLAGS.slots}")
-        if group_size <= len(free):
-          start(item)
-        else:  # not enough room now: hand it straight back so another worker can take it
-          client.requeue("prompts", [item["id"]])
-    if not groups:
-      continue
-    active = engine.run_chunk(params)
-    done = [gid for gid, g in groups.items() if not active[g["slots"]].any()]
-    if not done:
-      continue
-    latest = client.latest_version()
-    for gid in done:
-      g = groups.pop(gid)
-      toks, lps, n = engine.rows(g["slots"])
-      free.extend(g["slots"])
-      if latest - g["version"] > FLAGS.max_staleness and drain_deadline is None:
-        start(g["item"])  # too stale for the trainer: regenerate with the newest weights
-        continue
-      it = g["item"]
-      try:  # scoring and sending one item: a bad item is reported and skipped, never the end of the worker
-        problem = data.Problem(id=it["prompt_id"], prompt=it["prompt"], answer=it["answer"], task=it["task"],
-                               tests=tuple(it["tests"]) if it.get("tests") else None)
-        comps = [toks[i, :n[i]] for i in range(len(g["slots"]))]
-        rewards = pool.score([problem] * len(comps), [tok.decode(c.tolist()) for c in comps])
-        rollout = dict(id=gid, version=int(g["version"]), worker=wid,
-                       prompt_id=it["prompt_id"], prompt=it["prompt"], answer=it["answer"], task=it["task"],
-                       tests=it.get("tests"), prompt_tokens=np.asarray(it["prompt_tokens"], np.int32),
-                       completions=[c.astype(np.int32) for c in comps],
-                       logprobs=[lps[i, :n[i]].astype(np.float32) for i in range(len(comps))],
-                       rewards=np.asarray(rewards, np.float32), gen_s=time.time() - g["t0"], **last_pull)
-        client.put("rollouts", [rollout])
-      except Exception as e:
-        fail_item(client, gid, e, failed)
-        continue
-      failed.clear()
-      # Ack the prompt only after its rollout is safely queued: a crash in between re-issues the prompt, and
-      # the server drops the duplicate rollout by id.
-      client.ack("prompts", [gid])
-      n_sent += 1
-      tokens_out += int(n.sum())
-    if n_sent and n_sent % 20 == 0:
-      el = time.time() - t_start
-      logging.info("worker %s v%d: %d groups sent, %.1f tok/s", wid, version, n_sent, tokens_out / el)
+        # Rates over the last 30 s: decode busy fraction, generated tokens/s, the fraction of time spent
+        # waiting for prompts (nothing to decode) or for the sender (scoring fell a queue behind).
+        window.add(tokens=float(n.sum()))
+        r = window.rates()
+        stats = dict(last_pull, worker_busy_frac=r.get("decode_s", 0.0), worker_tok_s=r.get("tokens", 0.0),
+                     worker_wait_prompts_frac=r.get("wait_prompts_s", 0.0),
+                     worker_wait_send_frac=r.get("wait_send_s", 0.0))
+        t = time.time()
+        sender.submit(dict(id=gid, item=g["item"], version=g["version"], gen_s=time.time() - g["t0"], stats=stats,
+                           completions=[toks[i, :n[i]].astype(np.int32) for i in range(len(g["slots"]))],
+                           logprobs=[lps[i, :n[i]].astype(np.float32) for i in range(len(g["slots"]))]))
+        window.add(wait_send_s=time.time() - t)
+  except BaseException:
+    puller.close()
+    raise
+  puller.close()
+  sender.close()  # everything finished is scored and sent before the prompts in flight are handed back
   if groups:  # return unfinished prompts so they are re-issued now rather than after the lease expires
     client.requeue("prompts", list(groups))
-  logging.info("worker %s stopped after %d groups", wid, n_sent)
+  logging.info("worker %s stopped after %d groups", wid, sent["groups"])
 
 
 def run_eval():

@@ -1085,11 +1085,17 @@ def run_rl():
                  wait_s=wait_s, step_s=step_s,
                  push_s=push_s, tokens_per_s=float(batch["loss_mask"].sum()) / max(step_s, 1e-9),
                  version=state["version"], rollout_ids=[g["id"] for g in groups], skipped_ids=skipped, **m)
-      # Weight sync as the workers saw it: each rollout carries its worker's newest pull (shards.pull with a
-      # delta base); the mean over this step's groups. delta_frac = bytes moved / bytes of a full pull.
-      pulls = [g for g in groups if "pull_bytes" in g]
-      rec.update({k: float(np.mean([g[k] for g in pulls])) for k in ("pull_bytes", "pull_s", "delta_frac")
-                  if pulls})
+      # Weight sync and load as the workers saw them: each rollout carries its worker's newest pull
+      # (shards.pull with a delta base; delta_frac = bytes moved / bytes of a full pull) and its rates over the
+      # last 30 s (decode busy fraction, tokens/s, waits); the mean over this step's groups. With the trainer's
+      # own wait fraction they say which side to grow (plot.py's balance line, README "Sizing").
+      for k in ("pull_bytes", "pull_s", "delta_frac", "worker_busy_frac", "worker_tok_s", "worker_wait_prompts_frac",
+                "worker_wait_send_frac"):
+        vals = [g[k] for g in groups if k in g]
+        if vals:
+          rec[k] = float(np.mean(vals))
+      rec.update(workers=len({g.get("worker") for g in groups}),
+                 trainer_wait_frac=wait_s / max(wait_s + step_s + push_s, 1e-9))
       metrics.write(rec)
       bar.update(1)
       bar.set_postfix(reward=f"{rec['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", ent=f"{m.get('entropy', 0):.3f}")

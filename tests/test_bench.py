@@ -24,7 +24,11 @@ def test_bench_decode_quick(tmp_path):
   res = bench_decode.main(["--quick", f"--json={out}"])
   got = json.loads(out.read_text())
   assert set(got) == {"config", "ours", "hf", "hf_by_threads", "ratio_tokens_per_s", "ratio_decode_tokens_per_s",
-                      "ratio_prefill_time", "greedy_match", "greedy_match_fraction"}
+                      "ratio_prefill_time", "greedy_match", "greedy_match_fraction", "roofline"}
+  rf = got["roofline"]
+  assert all(_positive(rf[k]) for k in ("bytes_per_s", "matmul_flops_per_s", "limit_step_s", "ours_step_s"))
+  assert rf["ours_over_limit"] == pytest.approx(rf["ours_step_s"] / rf["limit_step_s"])
+  assert rf["ours_step_s"] == pytest.approx(got["ours"]["decode_s_best"] / got["config"]["new_tokens"])
   assert got["ratio_tokens_per_s"] == pytest.approx(res["ratio_tokens_per_s"])
   for side in ("ours", "hf"):
     for k in ("prefill_s_best", "decode_s_best", "total_s_best", "tokens_per_s", "decode_tokens_per_s"):

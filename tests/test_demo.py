@@ -66,3 +66,15 @@ def test_plot_draws_png_and_counts_twice_trained_rollouts(tmp_path):
   assert plot.exactly_once(recs)["twice_trained"] == 1
   out = plot.plot(str(tmp_path))
   assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(out) < 200_000
+
+
+def test_balance_says_how_many_workers_keep_the_trainer_busy():
+  # Each step trains 2 groups of 1000 tokens in 1 s of compute + 0.25 s of push; 1 more group per step is dropped
+  # (zero variance), so workers generate 3000 tokens per step. A worker decodes 500 tok/s at 50% busy: a
+  # capacity of 1000 tok/s, 1250 tokens per 1.25 s trainer step, so 3000 / 1250 = 2.4 workers keep it busy.
+  recs = [dict(step=s, rollout_ids=["a", "b"], zero_var_dropped=1, tokens_per_s=2000.0, step_s=1.0, push_s=0.25,
+               wait_s=3.75, trainer_wait_frac=0.75, worker_busy_frac=0.5, worker_tok_s=500.0,
+               worker_wait_prompts_frac=0.1, workers=2) for s in range(1, 6)]
+  b = plot.balance(recs)
+  assert b["workers_to_match"] == pytest.approx(2.4) and b["trainer_wait_frac"] == 0.75 and b["steps"] == 5
+  assert plot.balance([dict(r, worker_tok_s=0.0) for r in recs]) is None  # no worker figures: no line

@@ -4,6 +4,8 @@ import math
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +84,25 @@ def test_top_k_top_p_truncate_and_renormalise():
   assert abs(float((tok == 0).mean()) - 0.625) < 0.04
 
 
+def test_inverse_cdf_sample_draws_the_distribution_and_never_a_cut_token():
+  # V=300 spans three 128-token blocks (the last one padded); top-k cuts all but 50 tokens.
+  n, V = 20000, 300
+  logits = jax.random.normal(jax.random.PRNGKey(3), (1, V)) * 2
+  sc = rollout.SamplingConfig(top_k=50)
+  p = np.exp(np.asarray(rollout.sampling_logprobs(logits, sc)[0], np.float64))
+  keys = jax.random.split(jax.random.PRNGKey(4), n)
+  tok, lp = jax.jit(lambda l, k: rollout.sample(l, k, sc))(jnp.repeat(logits, n, 0), keys)
+  tok = np.asarray(tok)
+  assert (p[tok] > 0).all()  # a cut token is never drawn
+  np.testing.assert_allclose(np.asarray(lp), np.log(p[tok]), rtol=1e-5)  # the drawn token's own log-prob
+  tv = 0.5 * np.abs(np.bincount(tok, minlength=V) / n - p).sum()
+  assert tv < 0.04, tv  # expected ~0.02 at n=20000 over 50 tokens; a wrong block offset gives ~1
+  # All the mass on the first token or on the last real one (the padding after it has probability 0).
+  for hot in (0, 129):
+    one = jnp.full((8, 130), -jnp.inf).at[:, hot].set(0.0)
+    np.testing.assert_array_equal(rollout.inverse_cdf_sample(one, keys[:8]), hot)
+
+
 def test_greedy_matches_argmax_of_forward(params):
   items = _items(2)
   res = _run(params, rollout.SamplingConfig(0.0, 0, 1.0, 6, ()), items, G=1)
@@ -138,3 +159,74 @@ def test_eval_cli_draws_the_requested_operators(tmp_path):
       assert any("-" in p for p in prompts), prompts
   bad = run("/", tmp_path / "bad.json")
   assert bad.returncode != 0 and "bad ops '/'" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_sender_runs_jobs_in_order_off_thread_and_hands_back_its_error():
+  done, main = [], threading.get_ident()
+
+  def fn(job):
+    assert threading.get_ident() != main  # off the decode loop's thread
+    if job == 3:
+      raise RuntimeError("verifier pool died")
+    done.append(job)
+
+  s = rollout.Sender(fn, maxsize=2)
+  for j in range(3):
+    s.submit(j)
+  s.close()
+  assert done == [0, 1, 2]
+  s = rollout.Sender(fn, maxsize=2)
+  s.submit(3)
+  with pytest.raises(RuntimeError, match="verifier pool died"):
+    for j in range(4, 50):  # after the error the queue still drains: submit raises, it never blocks for good
+      s.submit(j)
+  assert 4 not in done
+
+
+class _Manifests:
+  """A server whose newest version is `newest`; manifest() long-polls like param_server.Client.manifest."""
+
+  def __init__(self, newest):
+    self.newest = newest
+
+  def manifest(self, newer_than, wait_s):
+    if self.newest > newer_than:
+      return {"version": self.newest}
+    time.sleep(min(wait_s, 0.01))
+    return None
+
+
+def test_puller_downloads_in_background_and_holds_at_most_two_versions():
+  server, pulled = _Manifests(newest=1), []
+
+  def pull(m):
+    pulled.append(m["version"])
+    return None if m["version"] == 1 and pulled.count(1) == 1 else f"w{m['version']}"  # first try: gone
+
+  p = rollout.Puller(server, pull, version=0, poll_s=0.01)
+  deadline = time.time() + 10
+  while (r := p.take()) is None and time.time() < deadline:
+    time.sleep(0.01)
+  assert r == ({"version": 1}, "w1") and pulled == [1, 1]  # a failed pull is retried
+  server.newest = 2
+  while p.ready is None and time.time() < deadline:
+    time.sleep(0.01)
+  server.newest = 3
+  time.sleep(0.2)
+  # v2 is complete but not taken: v3 must not download yet (v1 in use + v2 ready = the two versions held).
+  assert pulled == [1, 1, 2]
+  assert p.take() == ({"version": 2}, "w2")
+  while (r := p.take()) is None and time.time() < deadline:
+    time.sleep(0.01)
+  assert r == ({"version": 3}, "w3") and pulled == [1, 1, 2, 3]
+  p.close()
+  assert not p.thread.is_alive()
+
+
+def test_window_rates_are_per_second_over_the_span():
+  w = rollout.Window(span_s=30.0)
+  w.add(decode_s=0.0, tokens=0.0)
+  time.sleep(0.2)
+  w.add(decode_s=0.1, tokens=40.0)
+  r = w.rates()
+  assert 0.3 < r["decode_s"] <= 0.5 and 130 < r["tokens"] <= 200

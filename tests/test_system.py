@@ -215,6 +215,11 @@ def test_demo_chaos_preempts_a_worker_and_the_trainer_and_the_run_completes_exac
   chk = plot.exactly_once(plot.read_jsonl(os.path.join(run, "metrics.jsonl")))
   assert chk["steps"] == steps and chk["twice_trained"] == 0 and chk["missing_steps"] == [], chk
   assert "twice-trained: 0" in out and os.path.getsize(os.path.join(run, "curves.png")) > 0, out[-2000:]
+  # Load balance per step (issue 17): the trainer's wait fraction and the workers' figures, and the summary.
+  recs = plot.final_records(plot.read_jsonl(os.path.join(run, "metrics.jsonl")))
+  assert all(0 <= r["trainer_wait_frac"] <= 1 and 0 < r["worker_busy_frac"] <= 1 and r["worker_tok_s"] > 0
+             and r["workers"] >= 1 for r in recs), recs[-1]
+  assert "balance (median of" in out, out[-2000:]
 
 
 def check_exactly_once(run, steps):
