@@ -18,6 +18,10 @@ Model FLOPs per step (the MFU convention of PaLM, arXiv 2204.02311, App. B: matm
                      attention on CPU computes the full T x T block, masked)
   step               B * T * (3 * f  [forward + 2x backward]  + f if kl_coef > 0  [reference forward])
 achieved FLOP/s = model FLOPs / best step time; fraction = achieved / measured peak.  Also tokens/s (B*T / s).
+  torch  the same step in PyTorch eager (torch_reference: transformers' Qwen2 on the same weights, reference
+         forward, PPO-clip + k3 KL, seq-mean-token-mean, clip 1.0, AdamW) at each --torch_threads count, timed
+         after ours; speed_vs_torch = its best time / ours (> 1: ours faster). Needs torch + transformers
+         (requirements-dev.txt).
 
   python bench_train.py                                  # defaults: D=256, L=4, V=2048, B=16, T=128
   python bench_train.py --batch=32 --seq_len=256 --json=train.json
@@ -66,14 +70,21 @@ def parse_args(argv=None):
                  "with --remat, with --logprob_chunk, and both, then exit; '' = time the step")
   p.add_argument("--logprob_chunk", type=int, default=512, help="chunk (positions) for the memory table's "
                  "chunked log-prob rows")
+  p.add_argument("--torch_threads", default=None, help="comma-separated torch thread counts to time the "
+                 "PyTorch reference step at (threads); default 1 and os.cpu_count(); 0 = skip the reference")
   p.add_argument("--quick", action="store_true", help="tiny shapes, 2 steps, kl_coef 0 unless "
-                 "--kl_coef; for tests (overrides the shape flags)")
+                 "--kl_coef, torch at 1 thread unless --torch_threads; for tests (overrides the shape flags)")
   a = p.parse_args(argv)
   if a.quick:
     a.matmul_n, a.matmul_reps, a.steps = 256, 2, 2
     vars(a).update(bench_decode.QUICK_SHAPE)
     a.batch, a.seq_len, a.group_size = 4, 32, 2
     a.kl_coef = 0.0 if a.kl_coef is None else a.kl_coef  # no reference forward: a third less to compile
+    a.torch_threads = a.torch_threads or "1"
+  try:
+    a.torch_threads = sorted({int(t) for t in (a.torch_threads or f"1,{os.cpu_count()}").split(",")} - {0})
+  except ValueError:
+    p.error(f"--torch_threads must be comma-separated ints, got {a.torch_threads!r}")
   for f in ("matmul_n", "matmul_reps", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffw_dim", "vocab",
             "batch", "group_size", "steps"):
     if getattr(a, f) < 1:
@@ -152,6 +163,64 @@ def synthetic_groups(a, rng):
   return groups
 
 
+def torch_reference(cfg, policy, batch, lcfg, threads, steps):
+  """The same step in PyTorch eager, the reference issue 17 measures against: transformers' Qwen2 model on the
+  same weights (written with model.save_hf_checkpoint), the frozen reference forward under no_grad when
+  kl_coef > 0, the policy forward, PPO-clip loss with k3 KL in the loss, seq-mean-token-mean, entropy as a
+  metric (no grad), backward, global-norm clip 1.0, AdamW. Returns ({threads: (best s, median s)} over `steps`
+  steps after one warm-up step at each thread count, the loss of the very first step: at the initial weights,
+  so it must equal ours there)."""
+  import tempfile
+  import torch
+  import transformers
+  transformers.utils.logging.disable_progress_bar()
+  with tempfile.TemporaryDirectory() as d:
+    model.save_hf_checkpoint(d, cfg, policy)
+    load = lambda: transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)  # noqa: E731
+    pol = load().train()
+    ref = load().eval() if lcfg.kl_coef > 0 else None
+  opt = torch.optim.AdamW(pol.parameters(), lr=1e-4, weight_decay=0.0)
+  t = {k: torch.from_numpy(np.array(v)) for k, v in batch.items()}  # a writable host copy
+  tokens, targets, mask = t["tokens"].long(), t["targets"].long(), t["loss_mask"]
+  blp, adv = t["behaviour_logp"], t["advantages"][:, None]
+
+  def logps(m):
+    lsm = torch.log_softmax(m(input_ids=tokens).logits.float(), -1)
+    return lsm.gather(-1, targets[..., None])[..., 0], lsm
+
+  def step():
+    if ref is not None:
+      with torch.no_grad():
+        ref_lp = logps(ref)[0]
+    lp, lsm = logps(pol)
+    with torch.no_grad():
+      entropy = (-(lsm.exp() * lsm).sum(-1) * mask).sum() / mask.sum()
+    ratio = torch.exp(lp - blp)
+    tok_loss = -torch.minimum(ratio * adv, ratio.clamp(1 - lcfg.eps_low, 1 + lcfg.eps_high) * adv)
+    if ref is not None:
+      d = ref_lp - lp
+      tok_loss = tok_loss + lcfg.kl_coef * (torch.exp(d) - d - 1)
+    loss = ((tok_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(pol.parameters(), 1.0)
+    opt.step()
+    return loss.item(), entropy.item()
+
+  out, first_loss = {}, None
+  for th in threads:
+    torch.set_num_threads(th)
+    loss = step()[0]  # warm-up: allocator, kernels
+    first_loss = loss if first_loss is None else first_loss
+    ts = []
+    for _ in range(steps):
+      t0 = time.perf_counter()
+      step()
+      ts.append(time.perf_counter() - t0)
+    out[th] = (min(ts), statistics.median(ts))
+  return out, first_loss
+
+
 def memory_table(a, cfg, lcfg, optimizer, params, opt_state, ref_params, n_params):
   """Temporary bytes per token of the compiled RL step (XLA's buffer assignment on this backend: activations,
   logits, gradients in flight; params and optimizer state are arguments, not temporaries) for each T, with and
@@ -195,6 +264,7 @@ def main(argv=None):
   base = losses.ALGORITHMS[a.algo]
   lcfg = base if a.kl_coef is None else dataclasses.replace(base, kl_coef=a.kl_coef)
   policy = bench_decode.random_params(cfg, a.seed)
+  policy_host = jax.device_get(policy)  # the PyTorch reference starts from these (ours are donated)
   n_params = sum(x.size for x in jax.tree.leaves(policy))
   params = dict(policy=policy, value=None)
   optimizer = train.make_optimizer(1e-4, 5, 100, 0.0, 1.0)
@@ -216,6 +286,7 @@ def main(argv=None):
   params, opt_state, m = step(params, opt_state, ref_params, batch)
   jax.block_until_ready((params, m))
   compile_s = time.perf_counter() - t
+  first_loss = float(m["loss"])  # at the initial weights: the PyTorch reference's first step must agree
   times = []
   for _ in range(a.steps):
     t = time.perf_counter()
@@ -260,6 +331,18 @@ def main(argv=None):
         f"peak ({res['fraction_of_model_shape_matmul']:.1%} of the model-shape matmul); "
         f"{res['tokens_per_s']:.0f} tokens/s ({res['completion_tokens_per_s']:.0f} completion tokens/s); "
         f"load avg (1 min) {res['config']['loadavg_1m']:.2f}")
+  if a.torch_threads:
+    ref, torch_first = torch_reference(cfg, policy_host, batch, lcfg, a.torch_threads, a.steps)
+    th = min(ref, key=lambda k: ref[k][0])
+    res["torch"] = dict(by_threads={str(k): dict(step_s_best=b, step_s_median=m) for k, (b, m) in ref.items()},
+                        threads=th, step_s_best=ref[th][0], step_s_median=ref[th][1], first_loss=torch_first)
+    res["first_loss"] = first_loss
+    res["speed_vs_torch"] = ref[th][0] / best  # > 1: ours is faster
+    for k, (b, m) in ref.items():
+      print(f"pytorch eager reference @{k} thread(s): best {b * 1e3:.1f} ms, median {m * 1e3:.1f} ms")
+    print(f"same step: first-step loss ours {first_loss:.6f}, pytorch {torch_first:.6f}")
+    print(f"speed ours vs pytorch (best vs its best, @{th} thread(s)): {res['speed_vs_torch']:.2f}x "
+          f"(ours best {best * 1e3:.1f} ms, median {med * 1e3:.1f} ms)")
   if a.json:
     with open(a.json, "w") as f:
       json.dump(res, f, indent=1)

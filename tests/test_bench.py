@@ -56,6 +56,9 @@ def test_bench_train_quick(tmp_path):
   assert got["fraction_of_peak"] == pytest.approx(got["achieved_flops_per_s"] / got["peak_matmul_flops_per_s"])
   assert got["fraction_of_peak"] < 5  # a FLOP count off by an order of magnitude would show here
   assert math.isfinite(got["loss"])
+  # The PyTorch reference is the same step: at the same initial weights and batch its loss equals ours.
+  assert got["torch"]["first_loss"] == pytest.approx(got["first_loss"], rel=1e-4, abs=1e-6)
+  assert got["speed_vs_torch"] == pytest.approx(got["torch"]["step_s_best"] / got["step_s_best"])
 
 
 def test_train_flops_count_the_reference_forward():
