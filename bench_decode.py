@@ -4,7 +4,8 @@ What is measured (both sides on one checkpoint directory, the same B prompts of 
 per prompt, greedy, no early stop):
   ours  rollout.Engine(cfg, SamplingConfig(temperature=0, max_new_tokens=N, stop_ids=()), slots=B,
         max_prompt_len=P, chunk_steps=C): one insert of the B prompts (a batched prefill, as the worker does
-        with the prompts it leases together) then run_chunk until no slot is active (one host sync per chunk).  Compile time is
+        with the prompts it leases together) then run_chunk until no slot is active (one host sync per
+        chunk).  Compile time is
         excluded by a full warm-up pass with the same shapes (reported as compile_s, that pass's time).
         stop_ids=() so every slot makes exactly N tokens; when C does not divide N the last chunk's extra
         steps are paid for (that is the engine's real cost).
@@ -160,7 +161,8 @@ def decode_roofline(cfg, n_params, B, P, N, bytes_per_s, flops_per_s):
   kv = B * ctx * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 4
   emb = cfg.vocab_size * cfg.d_model  # the input embedding is a gather of B rows; tied: the lm head reads it all
   weight_bytes = 4 * n_params
-  flops = 2 * (n_params - (0 if cfg.tie_embeddings else emb)) * B + 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * ctx * B
+  flops = (2 * (n_params - (0 if cfg.tie_embeddings else emb)) * B
+           + 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * ctx * B)
   t_mem, t_flop = (weight_bytes + kv) / bytes_per_s, flops / flops_per_s
   return (t_mem, "memory") if t_mem >= t_flop else (t_flop, "matmul")
 

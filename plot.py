@@ -64,7 +64,8 @@ def balance(records):
   step_tokens = med("tokens_per_s") * med("step_s") * sum(gen) / max(sum(len(r["rollout_ids"]) for r in recs), 1)
   return dict(steps=len(recs), trainer_wait_frac=med("trainer_wait_frac"), worker_busy_frac=med("worker_busy_frac"),
               worker_tok_s=med("worker_tok_s"), worker_wait_prompts_frac=med("worker_wait_prompts_frac"),
-              workers=med("workers"), workers_to_match=step_tokens / max(capacity * (med("step_s") + med("push_s")), 1e-9))
+              workers=med("workers"),
+              workers_to_match=step_tokens / max(capacity * (med("step_s") + med("push_s")), 1e-9))
 
 
 def plot(run_dir, out=None):
@@ -128,7 +129,8 @@ def main(argv):
   b = balance(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
   if b:  # which side to grow: README "Sizing workers against the trainer"
     print(f"balance (median of {b['steps']} steps): trainer waits for rollouts {100 * b['trainer_wait_frac']:.0f}% of "
-          f"a step; workers ({b['workers']:.0f} sending per step) decode {100 * b['worker_busy_frac']:.0f}% of the time "
+          f"a step; workers ({b['workers']:.0f} sending per step) decode {100 * b['worker_busy_frac']:.0f}% of the "
+          f"time "
           f"at {b['worker_tok_s']:.0f} tok/s, wait for prompts {100 * b['worker_wait_prompts_frac']:.0f}%; "
           f"workers that would keep the trainer busy: {b['workers_to_match']:.1f}")
   for e in read_jsonl(os.path.join(run_dir, "events.jsonl")):

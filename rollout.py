@@ -3,15 +3,19 @@
 Design:
   * Generation is a jit-compiled KV-cache loop over a fixed number of *slots* (continuous batching): every
     `--chunk_steps` decode steps the host looks at which slots finished (stop token or max new tokens), hands
-    their groups to the verifiers, and refills the free slots with newly leased prompts. A prompt with G samples
-    is prefilled once and its cache row broadcast into G slots.  Host syncs happen once per chunk, never per token.
+    their groups to the sender, and refills the free slots with newly leased prompts, prefilled together as one
+    batch; a prompt with G samples is prefilled once and its cache row copied into G slots.  Host syncs happen
+    once per chunk, never per token.
+  * The decode loop never waits on I/O: the next weights download on a background thread (Puller; at most two
+    versions held), and finished groups are scored, put and acked in order on another (Sender), each thread
+    with its own server connection.  Sampling is inverse-CDF with one uniform per row (inverse_cdf_sample).
   * Behaviour log-probs are the log-probs of the distribution actually sampled from: logits / temperature, then
     top-k / top-p truncation, renormalised, in fp32.  With temperature-only sampling (the default) that is exactly
     what the trainer recomputes (losses.token_logprobs_and_entropy(..., temperature)); with top-k/top-p the
     trainer's ratio includes the truncation and truncated IS corrects for it.
   * RNG is deterministic per prompt: sample j of prompt id p uses fold_in(fold_in(seed, hash(p)), j) and
     step t folds in t, so a re-issued prompt with the same weights reproduces the same tokens.
-  * Weights are swapped between chunks when the server has a newer version; a rollout is tagged with the oldest
+  * Weights are swapped between chunks once a newer version is fully downloaded; a rollout is tagged with the oldest
     version that produced any of its tokens (its staleness bound is conservative).  Groups whose version is
     more than --max_staleness versions behind the newest are regenerated before they are sent.
   * Preemption: SIGTERM stops leasing, finishes the groups in flight for at most --drain_s seconds, sends them,
@@ -89,10 +93,10 @@ def _last_positive(p):
 def inverse_cdf_sample(logp, keys, block: int = 128):
   """One draw per row of the categorical exp(logp) [B,V], with ONE uniform per row (keys [B,2]).
 
-  Gumbel-max (jax.random.categorical) draws V random numbers per row: at V=32k, batch 64 that was 28% of a decode step
-  on CPU (issue 17). Inverse-CDF needs one, and two levels (block sums of `block` tokens, then the running sum
-  inside the chosen block) keep each running sum short, so fp32 rounding moves a token's interval by
-  ~1e-7 x its block's mass, not x 1. A token of probability 0 (cut by top-k/top-p) is never drawn: its
+  Gumbel-max (jax.random.categorical) draws V random numbers per row: at V=32k, batch 64 that was 28% of a
+  decode step on CPU (issue 17). Inverse-CDF needs one, and two levels (block sums of `block` tokens, then
+  the running sum inside the chosen block) keep each running sum short, so fp32 rounding moves a token's
+  interval by ~1e-7 x its block's mass, not x 1. A token of probability 0 (cut by top-k/top-p) is never drawn: its
   interval is empty, and an index pushed past the end by rounding is clamped to the last positive one.
   """
   B, V = logp.shape
@@ -167,7 +171,8 @@ class Engine:
     c = st["cache"]
     put = lambda a, v: a.at[slots].set(v, mode="drop")  # noqa: E731
     cache = dict(c, k=c["k"].at[:, slots, :T].set(one["k"][:, rows], mode="drop"),
-                 v=c["v"].at[:, slots, :T].set(one["v"][:, rows], mode="drop"), lengths=put(c["lengths"], lengths[rows]))
+                 v=c["v"].at[:, slots, :T].set(one["v"][:, rows], mode="drop"),
+                 lengths=put(c["lengths"], lengths[rows]))
     return dict(st, cache=cache, logits=put(st["logits"], logits[rows]), active=put(st["active"], True),
                 n_gen=put(st["n_gen"], 0), tokens=put(st["tokens"], 0), logp=put(st["logp"], 0.0),
                 keys=put(st["keys"], keys))
@@ -612,7 +617,8 @@ def run_worker():
           raise ValueError(f"prompt {item.get('prompt_id')!r} of {p.size} tokens exceeds max_prompt_len="
                            f"{engine.buckets[-1]} (or is empty)")
         if p.dtype.kind not in "iu" or p.min() < 0 or p.max() >= cfg.vocab_size:
-          raise ValueError(f"prompt {item.get('prompt_id')!r}: prompt_tokens are not token ids in [0, {cfg.vocab_size})")
+          raise ValueError(f"prompt {item.get('prompt_id')!r}: prompt_tokens are not token ids in "
+                           f"[0, {cfg.vocab_size})")
       except Exception as e:  # this item fails (reported, re-issued, quarantined after --max_failures)
         fail_item(client, item["id"], e, failed)
         continue
