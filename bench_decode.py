@@ -62,7 +62,7 @@ def add_shape_flags(p, defaults, suffix=""):
     p.add_argument(f"--{name}", type=int, default=defaults[name], help=f"{what} ({unit}){suffix}")
 
 
-# --preset: the three shapes issue 17 measures (model and generation shape; the flags below override none of it).
+# --preset: the three shapes issue 17 measures (model and generation shape: a preset overrides those flags).
 PRESETS = dict(
     demo=dict(d_model=384, n_layers=4, n_heads=6, n_kv_heads=2, ffw_dim=1024, vocab=2048, batch=8, prompt_len=64,
               new_tokens=64),

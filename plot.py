@@ -51,9 +51,10 @@ def exactly_once(records):
 
 def balance(records):
   """Trainer vs workers from the step records: medians over steps of the trainer's wait fraction and the
-  workers' busy fraction, tokens/s and waits, and the worker count that would keep the trainer busy:
-  tokens a step trains / (one worker's decode capacity x the trainer's compute seconds per step), where a
-  worker's capacity is its tokens/s over its busy fraction. None without worker figures."""
+  workers' busy fraction, tokens/s and waits, and the worker count that would keep the trainer busy: tokens
+  the workers generate per step (trained and dropped groups) / (one worker's decode capacity x the trainer's
+  step + push seconds), where a worker's capacity is its tokens/s over its busy fraction. None without worker
+  figures."""
   recs = [r for r in final_records(records) if "worker_busy_frac" in r and r.get("worker_tok_s")]
   if not recs:
     return None
@@ -130,8 +131,7 @@ def main(argv):
   if b:  # which side to grow: README "Sizing workers against the trainer"
     print(f"balance (median of {b['steps']} steps): trainer waits for rollouts {100 * b['trainer_wait_frac']:.0f}% of "
           f"a step; workers ({b['workers']:.0f} sending per step) decode {100 * b['worker_busy_frac']:.0f}% of the "
-          f"time "
-          f"at {b['worker_tok_s']:.0f} tok/s, wait for prompts {100 * b['worker_wait_prompts_frac']:.0f}%; "
+          f"time at {b['worker_tok_s']:.0f} tok/s, wait for prompts {100 * b['worker_wait_prompts_frac']:.0f}%; "
           f"workers that would keep the trainer busy: {b['workers_to_match']:.1f}")
   for e in read_jsonl(os.path.join(run_dir, "events.jsonl")):
     print(f"  preemption: step {e['step']}: {e['role']} {e['event']} (pid {e['pid']})")
