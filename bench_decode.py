@@ -138,20 +138,12 @@ def make_checkpoint(a, path):
 def memory_bandwidth(nbytes=256 << 20, reps=5):
   """Best measured bytes/s (read + written) of copying nbytes: numpy's copy (one thread) and a jitted
   elementwise op (XLA's threads); the larger. The bound a decode step's weight and KV-cache reads meet."""
+  from bench_train import best_time  # here, not at the top: bench_train imports this module
   a = np.ones(nbytes // 4, np.float32)
   b = np.empty_like(a)
-  t_np = min(_timed(lambda: np.copyto(b, a)) for _ in range(reps))
-  x = jnp.asarray(a)
-  f = jax.jit(lambda x: x * 1.0001)
-  f(x).block_until_ready()
-  t_jax = min(_timed(lambda: f(x).block_until_ready()) for _ in range(reps))
+  t_np = best_time(np.copyto, (b, a), reps)[0]
+  t_jax = best_time(jax.jit(lambda x: x * 1.0001), (jnp.asarray(a),), reps)[0]
   return 2 * nbytes / min(t_np, t_jax)
-
-
-def _timed(fn):
-  t = time.perf_counter()
-  fn()
-  return time.perf_counter() - t
 
 
 def decode_roofline(cfg, n_params, B, P, N, bytes_per_s, flops_per_s):

@@ -654,7 +654,8 @@ def run_worker():
         t = time.time()
         items = client.get("prompts", max_items=len(free) // group_size, wait_s=0.0 if groups else 1.0,
                            lease_s=FLAGS.lease_s)
-        window.add(wait_prompts_s=0.0 if groups else time.time() - t)  # idle: nothing to decode meanwhile
+        if not groups:  # idle: nothing to decode while the lease call waits
+          window.add(wait_prompts_s=time.time() - t)
         fits, room = [], len(free)
         for item in items:
           if not isinstance(item.get("group_size"), int) or item["group_size"] < 1:
@@ -679,13 +680,13 @@ def run_worker():
       done = [gid for gid, g in groups.items() if not active[g["slots"]].any()]
       if not done:
         continue
-      latest = client.latest_version()
+      latest, stale = client.latest_version(), []
       for gid in done:
         g = groups.pop(gid)
         toks, lps, n = engine.rows(g["slots"])
         free.extend(g["slots"])
         if latest - g["version"] > FLAGS.max_staleness and drain_deadline is None:
-          start([g["item"]])  # too stale for the trainer: regenerate with the newest weights
+          stale.append(g["item"])  # too stale for the trainer: regenerated below with the newest weights
           continue
         # Rates over the last 30 s: decode busy fraction, generated tokens/s, the fraction of time spent
         # waiting for prompts (nothing to decode) or for the sender (scoring fell a queue behind).
@@ -699,6 +700,7 @@ def run_worker():
                            completions=[toks[i, :n[i]].astype(np.int32) for i in range(len(g["slots"]))],
                            logprobs=[lps[i, :n[i]].astype(np.float32) for i in range(len(g["slots"]))]))
         window.add(wait_send_s=time.time() - t)
+      start(stale)  # one batched prefill for all of them
   except BaseException:
     puller.close()
     raise
