@@ -171,7 +171,7 @@ def run_ours(engine, params, prompts, dtype):
   t1 = time.perf_counter()
   while engine.run_chunk(params).any():  # run_chunk's host sync ends each chunk
     pass
-  toks, _, n = engine.rows(list(range(B)))
+  toks, _, n, _ = engine.rows(list(range(B)))
   t2 = time.perf_counter()
   assert (n == engine.M).all(), n  # stop_ids=() so every slot generated exactly N tokens
   return t1 - t0, t2 - t1, toks

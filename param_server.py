@@ -37,11 +37,12 @@ Design choices:
     Pushing the same (version, digest) again is a no-op success, so a push retried after a lost reply works.
   - Leased queues (e.g. "prompts", "rollouts"): put is idempotent by id (an id already ready, leased or acked
     is dropped and reported); get leases items for lease_s; an expired lease puts the item back at the head;
-    ack removes items forever (acked ids remembered, max_acked_ids most recent); requeue releases all leases.
+    ack removes items forever (acked ids remembered, max_acked_ids most recent); requeue releases all leases;
+    release hands live items back with new contents (a preempted worker's partial rollouts), re-issued first.
     Bounded by max_queue_items and max_queue_mb (ready + leased). Back-pressure: put waits up to wait_s for
     room, accepts what fits in order, and the client raises QueueFullError for the rest; retrying the whole
     batch is safe because accepted ids are dropped as duplicates.
-  - Persistence (--run_dir): each queue is an append-only log queue-<name>.log of PUT / ACK / FAIL records
+  - Persistence (--run_dir): each queue is an append-only log queue-<name>.log of PUT / ACK / FAIL / UPDATE records
     (each with a crc32; a torn tail after a crash is cut off). A change is fsync'ed to the log before it is
     applied in memory or answered; a failed write (ENOSPC, EIO) is cut off again and answered StorageError
     (see _Queue). Compacted at startup and when the log grows past 2x its live size (temp file + fsync +
@@ -89,6 +90,7 @@ Public API:
     .get(queue, max_items, wait_s=0.0, lease_s=300.0) -> list[dict]
     .ack(queue, ids) -> {"acked": int, "unknown": [ids]}
     .requeue(queue) -> int                         (number of leases released)
+    .release(queue, items) -> {"released": n, "unknown": [ids]}  (leased items back with new contents)
     .fail(queue, ids, reason) -> {"failed": [ids], "quarantined": [ids]}
     .stats() -> dict
     .close()
@@ -654,7 +656,8 @@ class _Queue:
       self._load()
 
   # Log records: struct "<BIQI" (op, header len, payload len, crc32 of header+payload), JSON header, payload.
-  # op 1 PUT {"id", "meta"} + blob; op 2 ACK {"ids"}; op 3 FAIL {"ids", "reason", "quarantined": [ids]}.
+  # op 1 PUT {"id", "meta"} + blob; op 2 ACK {"ids"}; op 3 FAIL {"ids", "reason", "quarantined": [ids]};
+  # op 4 UPDATE {"id", "meta"} + blob (release: new contents for a live item).
   _REC = struct.Struct("<BIQI")
 
   def _record(self, op, header, blob=b""):
@@ -674,12 +677,14 @@ class _Queue:
         op, hl, pl, crc = self._REC.unpack_from(data, off)
         end = off + self._REC.size + hl + pl
         body = data[off + self._REC.size:end]
-        if end > len(data) or zlib.crc32(body) != crc or op not in (1, 2, 3):
+        if end > len(data) or zlib.crc32(body) != crc or op not in (1, 2, 3, 4):
           break
         hdr = json.loads(body[:hl])
         if op == 1 and not self.known(hdr["id"]):
           self.ready[hdr["id"]] = (hdr["meta"], body[hl:])
           self.nbytes += pl
+        elif op == 4 and hdr["id"] in self.ready:
+          self.replace(hdr["id"], hdr["meta"], body[hl:])
         elif op == 2:
           for i in hdr["ids"]:
             self._drop(i)
@@ -825,6 +830,13 @@ class _Queue:
     if ids:
       self.cond.notify_all()
     return len(ids)
+
+  def replace(self, i, meta, blob):
+    """New contents for a live item, which goes to the head of the ready queue (its failure count stays)."""
+    old = self.leased.pop(i, None) or self.ready.pop(i)
+    self.nbytes += len(blob) - len(old[1])
+    self.ready[i] = (meta, blob)
+    self.ready.move_to_end(i, last=False)
 
   def known(self, i):
     return i in self.ready or i in self.leased or i in self.acked or i in self.quarantined
@@ -1382,8 +1394,13 @@ class Server:
       total += n
     if total != plen:
       raise ValueError(f"items declare {total} payload bytes but the frame carries {plen}")
+    release = h.get("release", False)
+    if not isinstance(release, bool):
+      raise ValueError(f"release must be a bool, got {release!r:.40}")
     payload = bytearray(plen)
     _recv_into(conn, memoryview(payload), deadline, "put payload")
+    if release:
+      return self._release(conn, q, items, payload)
     accepted, dups, rejected, seen = [], [], [], set()
     cap_bytes = q.cfg.max_queue_mb * (1 << 20)
     end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
@@ -1421,6 +1438,28 @@ class Server:
         q.cond.notify_all()
       q.maybe_compact()
     self._ok(conn, {"accepted": accepted, "duplicates": dups, "rejected": rejected,
+                    "depth": len(q.ready) + len(q.leased)})
+
+  def _release(self, conn, q, items, payload):
+    """PUT with release=True: live items (leased, or ready again after their lease expired) handed back with new
+    contents, e.g. a preempted worker's partial rollouts, replace the stored item and go to the head of the ready
+    queue (re-issued first, in the order given). Ids that are not live (acked, quarantined, never put) are
+    reported as unknown and not stored: release never adds an item. The new contents are logged (UPDATE record)
+    before they replace the old, so a restart re-issues the progress, not the original."""
+    with q.cond:
+      new, unknown = {}, []
+      for m, off, n in items:
+        if m["id"] in q.leased or m["id"] in q.ready:
+          new[m["id"]] = ({"json": m.get("json", {}), "arrays": m.get("arrays", {}), "nbytes": n},
+                          bytes(payload[off:off + n]))
+        else:
+          unknown.append(m["id"])
+      self._write(q, [q._record(4, {"id": i, "meta": meta}, blob) for i, (meta, blob) in new.items()], "release")
+      for i, item in reversed(new.items()):
+        q.replace(i, *item)
+      q.cond.notify_all()
+      q.maybe_compact()
+    self._ok(conn, {"accepted": list(new), "duplicates": [], "rejected": [], "unknown": unknown,
                     "depth": len(q.ready) + len(q.leased)})
 
   def _write(self, q, records, what):
@@ -1861,6 +1900,20 @@ class Client:
   def put(self, queue: str, items, wait_s: float = 0.0):
     """Adds items (dicts with a str "id"); ids already known are dropped. Raises QueueFullError if some did
     not fit within wait_s (retrying the same batch is safe). Returns {"accepted": n, "duplicates": [ids]}."""
+    h = self._put(queue, items, wait_s, release=False)
+    if h["rejected"]:
+      raise QueueFullError(f"queue {queue!r} full: {len(h['accepted'])} accepted, {len(h['duplicates'])} "
+                           f"duplicates, {len(h['rejected'])} rejected after waiting {wait_s}s (retry is safe)")
+    return {"accepted": len(h["accepted"]), "duplicates": h["duplicates"]}
+
+  def release(self, queue: str, items) -> dict:
+    """Hands leased items back with new contents (same ids; e.g. a preempted worker's partial rollouts): each
+    replaces the stored item and is re-issued first. Ids no longer live (acked, quarantined) are not stored.
+    Returns {"released": n, "unknown": [ids]}."""
+    h = self._put(queue, items, 0.0, release=True)
+    return {"released": len(h["accepted"]), "unknown": h["unknown"]}
+
+  def _put(self, queue, items, wait_s, release):
     metas, parts = [], []
     for it in items:
       if not isinstance(it, dict) or not isinstance(it.get("id"), str) or not it["id"]:
@@ -1887,11 +1940,10 @@ class Client:
             raise ValueError(f"{what} is neither JSON-able nor an np.ndarray: {e}") from None
           js[k] = json.loads(json.dumps(v, default=_json_default))
       metas.append({"id": it["id"], "json": js, "arrays": arrays})
-    h, _ = self._request(PUT, {"queue": queue, "items": metas, "wait_s": float(wait_s)}, parts, wait_s=wait_s)
-    if h["rejected"]:
-      raise QueueFullError(f"queue {queue!r} full: {len(h['accepted'])} accepted, {len(h['duplicates'])} "
-                           f"duplicates, {len(h['rejected'])} rejected after waiting {wait_s}s (retry is safe)")
-    return {"accepted": len(h["accepted"]), "duplicates": h["duplicates"]}
+    h = {"queue": queue, "items": metas, "wait_s": float(wait_s)}
+    if release:
+      h["release"] = True
+    return self._request(PUT, h, parts, wait_s=wait_s)[0]
 
   def get(self, queue: str, max_items: int, wait_s: float = 0.0, lease_s: float = 300.0):
     """Leases up to max_items items (waits up to wait_s for the first). Unacked items return after lease_s."""

@@ -19,8 +19,11 @@ Design:
     version that produced any of its tokens (its staleness bound is conservative).  Groups whose version is
     more than --max_staleness versions behind the newest are regenerated before they are sent.
   * Preemption: SIGTERM stops leasing, finishes the groups in flight for at most --drain_s seconds, sends them,
-    and returns (releases) the rest so the server re-issues them at once.  kill -9 loses only leases, which
-    expire on the server and are re-issued.
+    and hands the rest back with their partial rollouts (tokens so far, behaviour log-probs, the version of
+    each token; Client.release), which the server re-issues first.  The next worker prefills prompt + partial
+    completion and decodes on with the same per-step keys, so no generated token is wasted; the group is
+    tagged with its oldest token's version and generated afresh if that is too stale.  kill -9 loses only
+    leases, which expire on the server and are re-issued (the tokens in flight are lost).
   * A bad item never ends the worker: an exception while inserting, scoring or sending one prompt is reported
     to the server (Client.fail, with the reason), which re-issues it and quarantines it after its
     --max_failures reports; the worker goes on with the next (fail_item).
@@ -134,20 +137,24 @@ def group_keys(seed: int, prompt_id: str, G: int):
 
 
 class Engine:
-  """Slots x KV cache generation.  Host API: insert(params, [(slots, prompt_tokens, keys), ...]), run_chunk(),
-  rows() of the finished slots."""
+  """Slots x KV cache generation.  Host API: insert(params, [(slots, prompt_tokens, keys), ...], version),
+  resume() of continued samples, run_chunk(params, version), rows() of the finished slots."""
 
   def __init__(self, cfg, sc: SamplingConfig, slots: int, max_prompt_len: int, chunk_steps: int = 8,
                attn_impl="auto", prompt_buckets=(16, 32, 64, 128, 256, 512, 1024, 2048)):
     self.cfg, self.sc, self.B, self.chunk_steps = cfg, sc, slots, chunk_steps
-    self.M = sc.max_new_tokens
-    self.buckets = tuple(b for b in prompt_buckets if b < max_prompt_len) + (max_prompt_len,)
+    self.M, self.max_prompt_len = sc.max_new_tokens, max_prompt_len
+    # Prefill lengths: prompts up to max_prompt_len; a continued sample (resume) prefills prompt + its partial
+    # completion, up to max_prompt_len + M.
+    longest = max_prompt_len + self.M
+    self.buckets = tuple(b for b in prompt_buckets if b < longest) + (longest,)
     # A finished slot keeps decoding until the next host sync, so leave chunk_steps of slack in the cache.
     self.S = max_prompt_len + self.M + chunk_steps
     self.attn_impl = attn_impl
     self.state = None
     self._chunk = jax.jit(self._chunk_fn, donate_argnums=(1,))
     self._insert = jax.jit(self._insert_fn, donate_argnums=(1,))
+    self._resume = jax.jit(self._resume_fn, donate_argnums=(0,))
 
   def reset(self, dtype):
     B, M, cfg = self.B, self.M, self.cfg
@@ -158,10 +165,14 @@ class Engine:
         n_gen=jnp.zeros((B,), jnp.int32),
         tokens=jnp.zeros((B, M), jnp.int32),
         logp=jnp.zeros((B, M), jnp.float32),
+        # The policy version of each token: that of the weights whose forward gave the logits it was sampled
+        # from (logits_version), so a token sampled right after a weight swap still counts as the old version.
+        versions=jnp.zeros((B, M), jnp.int32),
+        logits_version=jnp.zeros((B,), jnp.int32),
         keys=jnp.zeros((B, 2), jnp.uint32),
     )
 
-  def _insert_fn(self, params, st, prompts, lengths, rows, slots, keys):
+  def _insert_fn(self, params, st, prompts, lengths, rows, slots, keys, version):
     # Prefill n prompts [n,T] as one batch into a T-long cache, then copy prompt rows[j]'s cache row into slot
     # slots[j] (a prompt with G samples fills G slots; positions past T are never read: decode attends below
     # each slot's length). Padding entries have slot == B, out of range: mode="drop" skips their writes.
@@ -175,9 +186,17 @@ class Engine:
                  lengths=put(c["lengths"], lengths[rows]))
     return dict(st, cache=cache, logits=put(st["logits"], logits[rows]), active=put(st["active"], True),
                 n_gen=put(st["n_gen"], 0), tokens=put(st["tokens"], 0), logp=put(st["logp"], 0.0),
+                versions=put(st["versions"], 0), logits_version=put(st["logits_version"], version),
                 keys=put(st["keys"], keys))
 
-  def _chunk_fn(self, params, st):
+  def _resume_fn(self, st, slots, n_gen, tokens, logp, versions, active):
+    # Continued samples: their completion so far (written after insert prefilled prompt + it), so decoding
+    # goes on at step n_gen with the same per-step keys as one uninterrupted run.
+    put = lambda a, v: a.at[slots].set(v, mode="drop")  # noqa: E731
+    return dict(st, n_gen=put(st["n_gen"], n_gen), tokens=put(st["tokens"], tokens), logp=put(st["logp"], logp),
+                versions=put(st["versions"], versions), active=put(st["active"], active))
+
+  def _chunk_fn(self, params, st, version):
     sc, B, M = self.sc, self.B, self.M
     stop = jnp.asarray(sc.stop_ids or (-1,), jnp.int32)
     rows = jnp.arange(B)
@@ -189,13 +208,15 @@ class Engine:
       idx = jnp.minimum(st["n_gen"], M - 1)
       tokens = st["tokens"].at[rows, idx].set(jnp.where(live, tok, st["tokens"][rows, idx]))
       logp = st["logp"].at[rows, idx].set(jnp.where(live, lp, st["logp"][rows, idx]))
+      versions = st["versions"].at[rows, idx].set(jnp.where(live, st["logits_version"], st["versions"][rows, idx]))
       n_gen = st["n_gen"] + live
       done = live & (jnp.isin(tok, stop) | (n_gen >= M))
       old_len = st["cache"]["lengths"]
       logits, cache = model.decode_step(params, self.cfg, tok, st["cache"], attn_impl=self.attn_impl)
       # Inactive slots must not grow: their cache rows are dead until the next insert overwrites them.
       cache = dict(cache, lengths=jnp.where(live, cache["lengths"], old_len))
-      return dict(st, cache=cache, logits=logits, active=live & ~done, n_gen=n_gen, tokens=tokens, logp=logp), None
+      return dict(st, cache=cache, logits=logits, active=live & ~done, n_gen=n_gen, tokens=tokens, logp=logp,
+                  versions=versions, logits_version=jnp.full((B,), version, jnp.int32)), None
 
     st, _ = jax.lax.scan(step, st, None, length=self.chunk_steps)
     return st
@@ -206,10 +227,11 @@ class Engine:
         return b
     raise ValueError(f"prompt of {n} tokens exceeds max_prompt_len={self.buckets[-1]}")
 
-  def insert(self, params, groups):
+  def insert(self, params, groups, version=0):
     """Prefills the prompts of groups = [(slots, prompt_tokens, keys [len(slots), 2]), ...] in one batch and
-    starts their slots. The batch is padded to a power of two prompts and the longest prompt's bucket, so the
-    compiled shapes stay few (log2(slots) x buckets)."""
+    starts their slots; `version` (the weights' policy version) tags the first token. The batch is padded to a
+    power of two prompts and the longest prompt's bucket, so the compiled shapes stay few (log2(slots) x
+    buckets)."""
     n = 1 << (len(groups) - 1).bit_length()
     T = self.bucket(max(len(p) for _, p, _ in groups))
     prompts, lengths = np.zeros((n, T), np.int32), np.ones(n, np.int32)
@@ -224,18 +246,31 @@ class Engine:
     rows, slots = np.asarray(rows + [0] * pad, np.int32), np.asarray(slots + [self.B] * pad, np.int32)
     keys = np.concatenate(keys + [np.zeros((pad, 2), np.uint32)])
     self.state = self._insert(params, self.state, jnp.asarray(prompts), jnp.asarray(lengths), jnp.asarray(rows),
-                              jnp.asarray(slots), jnp.asarray(keys))
+                              jnp.asarray(slots), jnp.asarray(keys), np.int32(version))
 
-  def run_chunk(self, params):
-    self.state = self._chunk(params, self.state)
+  def resume(self, slots, tokens, logp, versions, done):
+    """Continues samples another worker started (partial rollouts): call right after insert() prefilled each
+    slot with prompt + tokens[i] (just the prompt where done[i]). Slot i then holds tokens[i], their behaviour
+    log-probs logp[i] and versions versions[i], and decodes on from step len(tokens[i]) unless done[i]."""
+    m = 1 << (len(slots) - 1).bit_length()
+    n_gen, active = np.zeros(m, np.int32), np.zeros(m, bool)
+    tok, lp, ver = np.zeros((m, self.M), np.int32), np.zeros((m, self.M), np.float32), np.zeros((m, self.M), np.int32)
+    for i, (t, l, v, d) in enumerate(zip(tokens, logp, versions, done)):
+      assert len(t) == len(l) == len(v) <= self.M and (d or len(t) < self.M), (len(t), len(l), len(v), d)
+      n_gen[i], active[i], tok[i, :len(t)], lp[i, :len(t)], ver[i, :len(t)] = len(t), not d, t, l, v
+    sl = np.asarray(list(slots) + [self.B] * (m - len(slots)), np.int32)
+    self.state = self._resume(self.state, *map(jnp.asarray, (sl, n_gen, tok, lp, ver, active)))
+
+  def run_chunk(self, params, version=0):
+    self.state = self._chunk(params, self.state, np.int32(version))
     # One host sync per chunk: which slots are still generating.
     return np.asarray(self.state["active"])
 
   def rows(self, slots):
-    """Host copies of (tokens, logp, n_gen) for the given slots; completions include the stop token."""
+    """Host copies of (tokens, logp, n_gen, versions) for the given slots; completions include the stop token."""
     s = jnp.asarray(slots, jnp.int32)
     return (np.asarray(self.state["tokens"][s]), np.asarray(self.state["logp"][s]),
-            np.asarray(self.state["n_gen"][s]))
+            np.asarray(self.state["n_gen"][s]), np.asarray(self.state["versions"][s]))
 
 
 def generate_groups(engine, params, items, group_size, seed, on_group=None):
@@ -261,7 +296,7 @@ def generate_groups(engine, params, items, group_size, seed, on_group=None):
     active = engine.run_chunk(params)
     for pid, slots in list(groups.items()):
       if not active[slots].any():
-        toks, lps, n = engine.rows(slots)
+        toks, lps, n, _ = engine.rows(slots)
         res = ([toks[i, :n[i]] for i in range(G)], [lps[i, :n[i]] for i in range(G)])
         out[pid] = res
         if on_group:
@@ -489,6 +524,40 @@ def _client(token):
   return param_server.Client(host, int(port), token=token, retries=FLAGS.server_retries)
 
 
+PARTIAL = ("partial_tokens", "partial_logprobs", "partial_versions", "partial_done")
+
+
+def partial_of(item, G, M, vocab):
+  """The partial rollout a preempted worker handed back in `item` (fields PARTIAL: per sample its tokens so far,
+  their behaviour log-probs and policy versions, and whether it had finished) as four lists of G, checked; a
+  ValueError names the field and sample. None if the item carries none."""
+  if not any(k in item for k in PARTIAL):
+    return None
+  out = [item.get(k) for k in PARTIAL]
+  for k, v in zip(PARTIAL, out):
+    if not isinstance(v, list) or len(v) != G:
+      raise ValueError(f"{k} must be a list of group_size={G} entries, got {type(v).__name__} "
+                       f"of {len(v) if isinstance(v, list) else '-'}")
+  toks, lps, vers, done = ([], [], [], [])
+  for i in range(G):
+    t, lp, v, d = np.asarray(out[0][i]), np.asarray(out[1][i]), np.asarray(out[2][i]), out[3][i]
+    if not isinstance(d, bool):
+      raise ValueError(f"partial_done[{i}] must be a bool, got {d!r:.40}")
+    if (t.ndim != 1 or t.dtype.kind not in "iu" or len(t) > M or (not d and len(t) == M) or (d and not len(t))
+            or (len(t) and (t.min() < 0 or t.max() >= vocab))):
+      raise ValueError(f"partial_tokens[{i}]: {t.size} tokens ({t.dtype}) are not ids in [0, {vocab}) within "
+                       f"the budget of {M} new tokens (done={d})")
+    if lp.shape != t.shape or lp.dtype.kind != "f" or not np.all(np.isfinite(lp)) or np.any(lp > 0):
+      raise ValueError(f"partial_logprobs[{i}] must be {len(t)} finite log-probs <= 0")
+    if v.shape != t.shape or v.dtype.kind not in "iu":
+      raise ValueError(f"partial_versions[{i}] must be {len(t)} integer versions")
+    toks.append(t.astype(np.int32))
+    lps.append(lp.astype(np.float32))
+    vers.append(v.astype(np.int32))
+    done.append(d)
+  return toks, lps, vers, done
+
+
 def fail_item(client, gid, exc, failures):
   """Reports a prompt this worker could not process (the server re-issues it to the tail of the queue and
   quarantines it after its --max_failures reports, telling the trainer); the worker moves on. Errors that are
@@ -622,19 +691,42 @@ def run_worker():
       except Exception as e:  # this item fails (reported, re-issued, quarantined after --max_failures)
         fail_item(client, item["id"], e, failed)
         continue
-      slots = [free.pop(0) for _ in range(int(item["group_size"]))]
-      batch.append((item, slots, p.astype(np.int32)))
+      G = int(item["group_size"])
+      try:  # a partial rollout from a preempted worker: continued, unless unusable or too stale to train on
+        part = partial_of(item, G, engine.M, cfg.vocab_size)
+        if part and version - min(int(v.min()) for v in part[2] if len(v)) > FLAGS.max_staleness:
+          raise ValueError(f"its oldest token is more than --max_staleness={FLAGS.max_staleness} versions "
+                           f"behind v{version}")
+      except ValueError as e:  # the prompt itself is fine: generate it afresh (nothing is lost but the tokens)
+        logging.warning("prompt %s: partial rollout not continued (%s); generating it afresh", item["id"], e)
+        part = None
+      slots = [free.pop(0) for _ in range(G)]
+      batch.append((item, slots, p.astype(np.int32), part))
     if not batch:
       return
+    rows, resume = [], [[] for _ in range(5)]  # prefill rows; continued slots, their tokens, logp, versions, done
+    for it, sl, p, part in batch:
+      keys = group_keys(FLAGS.seed, it["id"], len(sl))
+      if part is None:
+        rows.append((sl, p, keys))  # one prefill row for the whole group
+        continue
+      for i, s in enumerate(sl):  # each continued sample prefills prompt + its own completion so far
+        rows.append(([s], p if part[3][i] else np.concatenate([p, part[0][i]]), keys[i:i + 1]))
+      for lst, x in zip(resume, (sl,) + part):
+        lst.extend(x)
     try:
-      engine.insert(params, [(sl, p, group_keys(FLAGS.seed, it["id"], len(sl))) for it, sl, p in batch])
+      engine.insert(params, rows, version)
+      if resume[0]:
+        engine.resume(*resume)
     except Exception as e:  # not an item's fault as far as we could check: report each, the worker goes on
-      for it, sl, _ in batch:
+      for it, sl, _, _ in batch:
         free.extend(sl)
         fail_item(client, it["id"], e, failed)
       return
-    for it, sl, _ in batch:
-      groups[it["id"]] = dict(item=it, slots=sl, version=version, t0=time.time())
+    for it, sl, _, part in batch:
+      groups[it["id"]] = dict(item=it, slots=sl, t0=time.time(),
+                              version=min([version] + [int(v.min()) for v in (part[2] if part else []) if len(v)]),
+                              resumed=sum(len(t) for t in part[0]) if part else 0)
 
   try:
     while True:
@@ -675,7 +767,7 @@ def run_worker():
       if not groups:
         continue
       t = time.time()
-      active = engine.run_chunk(params)
+      active = engine.run_chunk(params, version)
       window.add(decode_s=time.time() - t)
       done = [gid for gid, g in groups.items() if not active[g["slots"]].any()]
       if not done:
@@ -683,10 +775,13 @@ def run_worker():
       latest, stale = client.latest_version(), []
       for gid in done:
         g = groups.pop(gid)
-        toks, lps, n = engine.rows(g["slots"])
+        toks, lps, n, vers = engine.rows(g["slots"])
         free.extend(g["slots"])
-        if latest - g["version"] > FLAGS.max_staleness and drain_deadline is None:
-          stale.append(g["item"])  # too stale for the trainer: regenerated below with the newest weights
+        # Tagged with the oldest version that produced any token (a continued group's may predate this worker).
+        tag = min([g["version"]] + [int(vers[i, :n[i]].min()) for i in range(len(n)) if n[i]])
+        if latest - tag > FLAGS.max_staleness and drain_deadline is None:
+          # Too stale for the trainer: regenerated below with the newest weights, from scratch.
+          stale.append({k: v for k, v in g["item"].items() if k not in PARTIAL})
           continue
         # Rates over the last 30 s: decode busy fraction, generated tokens/s, the fraction of time spent
         # waiting for prompts (nothing to decode) or for the sender (scoring fell a queue behind).
@@ -696,7 +791,8 @@ def run_worker():
                      worker_wait_prompts_frac=r.get("wait_prompts_s", 0.0),
                      worker_wait_send_frac=r.get("wait_send_s", 0.0))
         t = time.time()
-        sender.submit(dict(id=gid, item=g["item"], version=g["version"], gen_s=time.time() - g["t0"], stats=stats,
+        stats["resumed_tokens"] = g["resumed"]  # generated by a preempted worker, continued here
+        sender.submit(dict(id=gid, item=g["item"], version=tag, gen_s=time.time() - g["t0"], stats=stats,
                            completions=[toks[i, :n[i]].astype(np.int32) for i in range(len(g["slots"]))],
                            logprobs=[lps[i, :n[i]].astype(np.float32) for i in range(len(g["slots"]))]))
         window.add(wait_send_s=time.time() - t)
@@ -706,9 +802,32 @@ def run_worker():
     raise
   puller.close()
   sender.close()  # everything finished is scored and sent before the prompts in flight are handed back
-  if groups:  # return unfinished prompts so they are re-issued now rather than after the lease expires
-    client.requeue("prompts", list(groups))
+  hand_back(client, engine, groups)
   logging.info("worker %s stopped after %d groups", wid, sent["groups"])
+
+
+def hand_back(client, engine, groups):
+  """Returns the unfinished prompts so they are re-issued now rather than after their lease expires, each with
+  its partial rollout (tokens so far, behaviour log-probs, versions, done; fields PARTIAL) when it has one:
+  the next worker continues it instead of generating those tokens again (slime / AReaL partial rollouts)."""
+  partial, plain, saved = [], [], 0
+  for gid, g in groups.items():
+    toks, lps, n, vers = engine.rows(g["slots"])
+    if not n.any():  # preempted before its first chunk: nothing to keep
+      plain.append(gid)
+      continue
+    stop_ids = engine.sc.stop_ids
+    done = [bool(n[i] == engine.M or (n[i] and int(toks[i, n[i] - 1]) in stop_ids)) for i in range(len(n))]
+    partial.append(dict(g["item"], partial_tokens=[toks[i, :n[i]] for i in range(len(n))],
+                        partial_logprobs=[lps[i, :n[i]] for i in range(len(n))],
+                        partial_versions=[vers[i, :n[i]] for i in range(len(n))], partial_done=done))
+    saved += int(n.sum())
+  if plain:
+    client.requeue("prompts", plain)
+  if partial:
+    r = client.release("prompts", partial)
+    logging.info("handed back %d partial rollouts (%d generated tokens kept; %d no longer ours: %s)",
+                 r["released"], saved, len(r["unknown"]), r["unknown"][:4])
 
 
 def run_eval():

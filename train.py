@@ -1094,7 +1094,9 @@ def run_rl():
         vals = [g[k] for g in groups if k in g]
         if vals:
           rec[k] = float(np.mean(vals))
-      rec.update(workers=len({g.get("worker") for g in groups}),
+      # Tokens a preempted worker generated and handed back (partial rollouts) that another worker continued.
+      rec.update(resumed_tokens=int(sum(g.get("resumed_tokens", 0) for g in groups)),
+                 workers=len({g.get("worker") for g in groups}),
                  trainer_wait_frac=wait_s / max(wait_s + step_s + push_s, 1e-9))
       metrics.write(rec)
       bar.update(1)

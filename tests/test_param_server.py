@@ -417,6 +417,38 @@ def test_lease_expiry_reissues_and_requeue(server):
     c._request(ps.REQUEUE, {"queue": "prompts", "ids": "p1"})
 
 
+def test_release_hands_items_back_with_new_contents_and_survives_a_restart(tmp_path):
+  """A preempted worker hands its leased prompts back with their partial rollouts (Client.release): the stored
+  item is replaced, re-issued first, and the replacement is what a restarted server serves."""
+  srv = make_server(run_dir=str(tmp_path))
+  c = client(srv)
+  c.put("prompts", [{"id": f"p{i}", "prompt_tokens": np.arange(3, dtype=np.int32)} for i in range(4)])
+  assert [x["id"] for x in c.get("prompts", 2, lease_s=60)] == ["p0", "p1"]
+  c.ack("prompts", ["p1"])
+  part = [np.array([7, 8], np.int32), np.array([9], np.int32)]
+  got = c.release("prompts", [dict(id="p0", prompt_tokens=np.arange(3, dtype=np.int32), partial_tokens=part,
+                                   partial_done=[False, True]),
+                              dict(id="p1", prompt_tokens=np.arange(3, dtype=np.int32)),   # acked: not stored
+                              dict(id="zz", prompt_tokens=np.arange(3, dtype=np.int32))])  # never put: not added
+  assert got == {"released": 1, "unknown": ["p1", "zz"]}
+  st = c.stats()["queues"]["prompts"]
+  assert (st["ready"], st["leased"]) == (3, 0)
+
+  def check(items):
+    assert [x["id"] for x in items] == ["p0", "p2", "p3"]  # the released item first
+    np.testing.assert_array_equal(items[0]["partial_tokens"][0], [7, 8])
+    np.testing.assert_array_equal(items[0]["partial_tokens"][1], [9])
+    assert items[0]["partial_done"] == [False, True] and "partial_tokens" not in items[1]
+
+  check(c.get("prompts", 5, lease_s=60))
+  srv.stop()
+  srv = make_server(run_dir=str(tmp_path), port=srv.port)  # the UPDATE record was logged before it applied
+  check(client(srv).get("prompts", 5, lease_s=60))
+  with pytest.raises(ValueError, match="release must be a bool"):
+    client(srv)._request(ps.PUT, {"queue": "prompts", "items": [], "release": "yes"})
+  srv.stop()
+
+
 def test_get_waits_for_items(server):
   c = client(server)
   t = later(0.3, lambda: client(server).put("q", [{"id": "late"}]))

@@ -249,10 +249,59 @@ def test_batched_insert_equals_one_prompt_at_a_time(params):
       pass
     return eng.rows(list(range(8)))
 
-  (tok, lp, n), (tok1, lp1, n1) = run([groups]), run([[g] for g in groups])
+  (tok, lp, n, _), (tok1, lp1, n1, _) = run([groups]), run([[g] for g in groups])
   used = [0, 1, 2, 4, 6]
   np.testing.assert_array_equal(tok[used], tok1[used])
   np.testing.assert_array_equal(n[used], n1[used])
   # The prefill's batch shape moves the last bit of the first token's log-prob (README "Numerical alignment").
   np.testing.assert_allclose(lp[used], lp1[used], rtol=0, atol=1e-6)
   np.testing.assert_array_equal(n[[3, 5, 7]], 0)  # never started: nothing generated
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_continued_sample_equals_one_uninterrupted_run(params, temperature):
+  """Partial rollouts (issue 17 item 4): worker A decodes one chunk of a group and is preempted; worker B (other
+  slots, newer version tag, same weights and keys) prefills prompt + each partial completion and decodes on.
+  The tokens equal one uninterrupted run's (greedy and sampled: same per-step keys), log-probs within the fp32
+  alignment tolerance, and each token keeps the version that produced it. A sample that was done stays done."""
+  sc = rollout.SamplingConfig(temperature, 0, 1.0, 9, ())
+  prompt, keys = [5, 6, 7, 8, 9], rollout.group_keys(0, "a", 3)
+
+  def engine():
+    eng = rollout.Engine(CFG, sc, slots=8, max_prompt_len=12, chunk_steps=3)
+    eng.reset(jnp.float32)
+    return eng
+
+  whole = engine()
+  whole.insert(params, [([0, 1, 2], prompt, keys)], version=4)
+  whole.run_chunk(params, version=4)
+  while whole.run_chunk(params, version=7).any():  # a weight swap between chunks (same weights here)
+    pass
+  tok, lp, n, ver = whole.rows([0, 1, 2])
+  assert (n == 9).all()
+  # Token 3 was sampled from the logits of the last decode step before the swap: still version 4.
+  np.testing.assert_array_equal(ver, [[4] * 4 + [7] * 5] * 3)
+
+  a = engine()  # worker A: one chunk (3 tokens), then preempted
+  a.insert(params, [([0, 1, 2], prompt, keys)], version=4)
+  a.run_chunk(params, version=4)
+  ptok, plp, pn, pver = a.rows([0, 1, 2])
+  assert (pn == 3).all()
+  part = [ptok[i, :3] for i in range(3)]
+  done = [False, False, True]  # sample 2 pretends it had finished: B must not touch it
+  part[2], plp2, pver2 = tok[2], lp[2], ver[2]
+
+  b = engine()  # worker B: slots 6, 1, 3; per-sample prefill of prompt + partial (just the prompt if done)
+  slots = [6, 1, 3]
+  b.insert(params, [([sl], prompt + ([] if d else list(p)), keys[i:i + 1])
+                    for i, (sl, p, d) in enumerate(zip(slots, part, done))], version=9)
+  b.resume(slots, part, [plp[0, :3], plp[1, :3], plp2], [pver[0, :3], pver[1, :3], pver2], done)
+  while b.run_chunk(params, version=9).any():
+    pass
+  tok2, lp2, n2, ver2 = b.rows(slots)
+  assert (n2 == 9).all()
+  np.testing.assert_array_equal(tok2, tok)
+  np.testing.assert_allclose(lp2, lp, rtol=0, atol=1e-5)
+  np.testing.assert_array_equal(lp2[:2, :3], plp[:2, :3])  # the behaviour log-probs carried over, bit for bit
+  np.testing.assert_array_equal(ver2[:2], [[4] * 3 + [9] * 6] * 2)  # B's tokens carry B's version
+  np.testing.assert_array_equal(ver2[2], ver[2])

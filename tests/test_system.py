@@ -218,7 +218,7 @@ def test_demo_chaos_preempts_a_worker_and_the_trainer_and_the_run_completes_exac
   # Load balance per step (issue 17): the trainer's wait fraction and the workers' figures, and the summary.
   recs = plot.final_records(plot.read_jsonl(os.path.join(run, "metrics.jsonl")))
   assert all(0 <= r["trainer_wait_frac"] <= 1 and 0 < r["worker_busy_frac"] <= 1 and r["worker_tok_s"] > 0
-             and r["workers"] >= 1 for r in recs), recs[-1]
+             and r["workers"] >= 1 and r["resumed_tokens"] >= 0 for r in recs), recs[-1]
   assert "balance (median of" in out, out[-2000:]
 
 
