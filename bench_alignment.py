@@ -38,7 +38,7 @@ Public API (used by tests/test_alignment.py)
   run(cfg, params, configs=CONFIGS, *, n_prompts=16, group_size=4, max_new_tokens=16, seed=0) -> rows
 
 Run (CPU, 8 fake devices are set up by this file when XLA_FLAGS does not already ask for them):
-  python bench_alignment.py --worker_tp --out=alignment.json   # the README table (about 3 min on 2 busy cores)
+  python bench_alignment.py --worker_tp --out=alignment.json   # the RESULTS.md table (about 3 min on 2 busy cores)
   python bench_alignment.py                                  # without the tensor-parallel worker rows (~2 min)
   python bench_alignment.py --checkpoint=runs/local/base    # a real HF checkpoint dir instead of the tiny model
 """

@@ -1,5 +1,5 @@
 """Fault bench for param_server.py: queue durability at every crash point and under disk faults, and legitimate
-latency beside hostile load. Prints the README's server/queue fault table (fault -> what happens, measured).
+latency beside hostile load. Prints RESULTS.md's server/queue fault table (fault -> what happens, measured).
 
 Queue faults: a real server process whose queue-log file operations go through a FaultDisk (param_server.DISK):
   kill@P#n     the process SIGKILLs itself at the n-th pass through crash point P (append, appended, synced,

@@ -51,7 +51,7 @@ Design choices
   tests, their hashes match), so `os._exit(0)` / `sys.exit(0)` cheats fail.
   What it is NOT: a kernel-level boundary. The audit hook is in-process Python; hostile native code
   (a CPython memory-corruption bug) would get past it, leaving rlimits, the uid drop and the net namespace.
-  For untrusted code at scale run the verifier in a container / gVisor / nsjail (see README). Assert-style
+  For untrusted code at scale run the verifier in a container / gVisor / nsjail (see docs/GUIDE.md). Assert-style
   tests trust the candidate's objects' `__eq__` (an always-equal object passes them), so prefer input/output
   tests for RL rewards. `tests/test_data.py::test_code_known_tricks_score_zero` tries each known trick.
   Tests: a list whose items are either python source strings (asserts run after the program in its
@@ -1416,7 +1416,7 @@ if __name__ == "__main__":
     for w in wrong:
       print("  math-verify disagrees:", w)
     sys.exit(0)
-  # Prints sample problems and the figures quoted in the README (timings depend on the machine's load).
+  # Prints sample problems and the figures quoted in RESULTS.md (timings depend on the machine's load).
   with tempfile.TemporaryDirectory() as d:
     for task in ("arithmetic", "countdown"):
       t0 = time.perf_counter()

@@ -41,7 +41,7 @@ Design
     replicated over "tensor" unless both N and K divide by it.
 
 Run
-  python kernels.py                      # micro-benchmark on the current backend (see README)
+  python kernels.py                      # micro-benchmark on the current backend (see RESULTS.md)
   python -m pytest -q tests/test_kernels.py   # interpret-mode tests on CPU (8 fake devices via conftest)
 """
 import functools

@@ -82,13 +82,13 @@ parse_local_flags() {
   done
 }
 
-# Defaults of the built-in demo: one place, so that README numbers come from exactly these settings.
+# Defaults of the built-in demo: one place, so that RESULTS.md numbers come from exactly these settings.
 DEMO_TASK_FLAGS=(--task=arithmetic --difficulty=2 --ops=+)
 # The base is SFT on a flawed teacher (--sft_slip: 90% of its answers end one too high) trained until it imitates it
 # (1600 steps of 128): it lands at ~10-20% pass@1 whatever the seed, and GRPO with the exact-answer verifier must
 # unlearn the habit. A short SFT on a perfect teacher instead lands wherever a seed's loss plateau ends (issue 14);
 # 1200 steps were not always enough either: a last-bit change of the gradients left seed 0 at SFT loss 0.24 and
-# 23.5% base pass@1 (README "The main job").
+# 23.5% base pass@1 (RESULTS.md "The main job").
 DEMO_SFT_FLAGS=(--sft_steps=1600 --sft_batch=128 --sft_lr=3e-3 --sft_slip=0.9)
 DEMO_RL_FLAGS=(--algo=grpo --steps=400 --prompts_per_step=16 --group_size=8 --lr=3e-4 --dynamic_sampling
                 --checkpoint_every=10)
@@ -300,7 +300,7 @@ run_local() {
   pin_env
   [ -z "$CHAOS" ] && { is_demo && CHAOS=1 || CHAOS=0; }
   setup_venv requirements.txt
-  # A restarted worker or trainer reads its compiled programs from here instead of recompiling (see README).
+  # A restarted worker or trainer reads its compiled programs from here instead of recompiling (see RESULTS.md "Worker rejoin").
   export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$RUN_DIR/jax_cache}" \
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
   local rl_flags=("${DEMO_TASK_FLAGS[@]}" "${DEMO_RL_FLAGS[@]}") eval_flags=("${DEMO_EVAL_FLAGS[@]}")

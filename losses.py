@@ -120,7 +120,7 @@ def token_logprobs_and_entropy(logits, targets, temperature=1.0):
 
 
 def token_logprobs(logits, targets, temperature=1.0):
-  """log softmax(logits / temperature)[targets], fp32, [B,T]. Skips the entropy pass (see README for memory)."""
+  """log softmax(logits / temperature)[targets], fp32, [B,T]. Skips the entropy pass (see RESULTS.md for memory)."""
   _check_logits(logits, targets, temperature)
   return _logp_entropy(logits, targets, float(temperature), False)[0]
 

@@ -128,7 +128,7 @@ def main(argv):
   print(f"trained rollouts: {chk['rollouts']} in {chk['steps']} steps; twice-trained: {chk['twice_trained']}; "
         f"missing steps: {len(chk['missing_steps'])}; step records rewritten after a restart: {chk['redone_steps']}")
   b = balance(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
-  if b:  # which side to grow: README "Sizing workers against the trainer"
+  if b:  # which side to grow: docs/GUIDE.md "Sizing workers against the trainer"
     print(f"balance (median of {b['steps']} steps): trainer waits for rollouts {100 * b['trainer_wait_frac']:.0f}% of "
           f"a step; workers ({b['workers']:.0f} sending per step) decode {100 * b['worker_busy_frac']:.0f}% of the "
           f"time at {b['worker_tok_s']:.0f} tok/s, wait for prompts {100 * b['worker_wait_prompts_frac']:.0f}%; "

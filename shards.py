@@ -23,7 +23,7 @@ One server and one process is the S=1 case of the same code. The manifest (JSON)
   {"version", "servers": ["host:port", ...], "config": {HF config}, "sampling": {...},
    "tensors": {name: {"dtype", "shape", "pieces": [{"index": [[start, stop], ...], "crc", "server": k}]}}}
 
-Run: python -m pytest -q tests/test_shards.py ; python bench/bench_sharded.py (see README).
+Run: python -m pytest -q tests/test_shards.py ; python bench_sharded.py (see RESULTS.md).
 """
 import concurrent.futures
 import json

@@ -1088,7 +1088,7 @@ def run_rl():
       # Weight sync and load as the workers saw them: each rollout carries its worker's newest pull
       # (shards.pull with a delta base; delta_frac = bytes moved / bytes of a full pull) and its rates over the
       # last 30 s (decode busy fraction, tokens/s, waits); the mean over this step's groups. With the trainer's
-      # own wait fraction they say which side to grow (plot.py's balance line, README "Sizing").
+      # own wait fraction they say which side to grow (plot.py's balance line, docs/GUIDE.md "Sizing").
       for k in ("pull_bytes", "pull_s", "delta_frac", "worker_busy_frac", "worker_tok_s", "worker_wait_prompts_frac",
                 "worker_wait_send_frac"):
         vals = [g[k] for g in groups if k in g]

@@ -112,7 +112,7 @@ def test_chunked_matches_full_values_and_grads():
 
 def test_logprob_memory_below_naive_autodiff():
   # XLA CPU temp bytes for grad(sum logp) of bf16 logits: ours needs at most one fp32 [B,T,V] buffer,
-  # naive log_softmax autodiff two (it keeps the fp32 softmax). See README for the figures.
+  # naive log_softmax autodiff two (it keeps the fp32 softmax). See RESULTS.md for the figures.
   B, T, V = 2, 16, 2048
   logits = jnp.zeros((B, T, V), jnp.bfloat16)
   targets = jnp.zeros((B, T), jnp.int32)

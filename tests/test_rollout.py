@@ -253,7 +253,7 @@ def test_batched_insert_equals_one_prompt_at_a_time(params):
   used = [0, 1, 2, 4, 6]
   np.testing.assert_array_equal(tok[used], tok1[used])
   np.testing.assert_array_equal(n[used], n1[used])
-  # The prefill's batch shape moves the last bit of the first token's log-prob (README "Numerical alignment").
+  # The prefill's batch shape moves the last bit of the first token's log-prob (RESULTS.md "Numerical alignment").
   np.testing.assert_allclose(lp[used], lp1[used], rtol=0, atol=1e-6)
   np.testing.assert_array_equal(n[[3, 5, 7]], 0)  # never started: nothing generated
 
