@@ -825,7 +825,12 @@ def hand_back(client, engine, groups):
   if plain:
     client.requeue("prompts", plain)
   if partial:
-    r = client.release("prompts", partial)
+    try:
+      r = client.release("prompts", partial)
+    except (ValueError, RuntimeError) as e:  # e.g. the server's disk is full: hand the prompts back without
+      logging.warning("partial rollouts not stored (%s); handing the prompts back without them", e)
+      client.requeue("prompts", [it["id"] for it in partial])
+      return
     logging.info("handed back %d partial rollouts (%d generated tokens kept; %d no longer ours: %s)",
                  r["released"], saved, len(r["unknown"]), r["unknown"][:4])
 

@@ -305,3 +305,51 @@ def test_a_continued_sample_equals_one_uninterrupted_run(params, temperature):
   np.testing.assert_array_equal(lp2[:2, :3], plp[:2, :3])  # the behaviour log-probs carried over, bit for bit
   np.testing.assert_array_equal(ver2[:2], [[4] * 3 + [9] * 6] * 2)  # B's tokens carry B's version
   np.testing.assert_array_equal(ver2[2], ver[2])
+
+
+def test_hand_back_sends_partials_and_falls_back_to_a_plain_requeue():
+  """rollout.hand_back on SIGTERM: a group with tokens goes back as a partial rollout (done = stop token or budget),
+  one never started as a plain requeue; if the server cannot store the partials (disk full), the prompts still
+  go back at once, without them."""
+  import param_server as ps
+
+  class Eng:
+    M, sc = 4, rollout.SamplingConfig(1.0, 0, 1.0, 4, (EOS,))
+
+    def rows(self, slots):
+      toks = np.array([[5, 6, 0, 0], [7, EOS, 0, 0], [1, 2, 3, 4]], np.int32)[:len(slots)]
+      n = np.array([2, 2, 4])[:len(slots)] if slots[0] == 0 else np.zeros(len(slots), int)
+      return toks, -np.ones(toks.shape, np.float32), n, np.full(toks.shape, 3, np.int32)
+
+  class Client:
+    def __init__(self, fail):
+      self.fail, self.released, self.requeued = fail, [], []
+
+    def release(self, q, items):
+      if self.fail:
+        raise ps.StorageError("disk full")
+      self.released += items
+      return {"released": len(items), "unknown": []}
+
+    def requeue(self, q, ids):
+      self.requeued += ids
+
+  groups = {"a": dict(item=dict(id="a", group_size=3), slots=[0, 1, 2]),
+            "b": dict(item=dict(id="b", group_size=2), slots=[5, 6])}
+  c = Client(fail=False)
+  rollout.hand_back(c, Eng(), groups)
+  assert c.requeued == ["b"] and [it["id"] for it in c.released] == ["a"]
+  it = c.released[0]
+  assert it["partial_done"] == [False, True, True]  # running; stopped at EOS; at the budget
+  assert [t.tolist() for t in it["partial_tokens"]] == [[5, 6], [7, EOS], [1, 2, 3, 4]]
+  assert [v.tolist() for v in it["partial_versions"]] == [[3, 3], [3, 3], [3, 3, 3, 3]]
+  toks, lps, vers, done = rollout.partial_of(it, 3, Eng.M, 40)  # what the next worker reads back
+  assert done == [False, True, True] and [len(t) for t in toks] == [2, 2, 4]
+  for bad, what in ((dict(it, partial_done=[False, True]), "partial_done must be a list of group_size=3"),
+                    (dict(it, partial_logprobs=[np.zeros(2), np.zeros(2), np.ones(4)]), r"partial_logprobs\[2\]"),
+                    (dict(it, partial_tokens=[np.array([5, 99]), *it["partial_tokens"][1:]]), r"partial_tokens\[0\]")):
+    with pytest.raises(ValueError, match=what):
+      rollout.partial_of(bad, 3, Eng.M, 40)
+  c = Client(fail=True)
+  rollout.hand_back(c, Eng(), groups)
+  assert sorted(c.requeued) == ["a", "b"] and not c.released
