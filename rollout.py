@@ -273,6 +273,31 @@ class Engine:
             np.asarray(self.state["n_gen"][s]), np.asarray(self.state["versions"][s]))
 
 
+class Slots:
+  """Continuous batching's bookkeeping, shared by generate_groups and the worker: which engine slots are free
+  and which group (G slots, plus whatever the caller keeps with it) holds the others."""
+
+  def __init__(self, n: int):
+    self.free, self.groups = list(range(n)), {}  # groups: id -> dict(slots=[...], **info)
+
+  def take(self, gid, G: int, **info):
+    """G free slots for group gid (the caller checked len(free) >= G)."""
+    assert len(self.free) >= G and gid not in self.groups, (len(self.free), G, gid)
+    slots, self.free = self.free[:G], self.free[G:]
+    self.groups[gid] = dict(info, slots=slots)
+    return slots
+
+  def release(self, gid):
+    """Frees a group's slots; returns its record."""
+    g = self.groups.pop(gid)
+    self.free.extend(g["slots"])
+    return g
+
+  def finished(self, active):
+    """Ids of the groups none of whose slots is still active (run_chunk's result)."""
+    return [gid for gid, g in self.groups.items() if not active[g["slots"]].any()]
+
+
 def generate_groups(engine, params, items, group_size, seed, on_group=None):
   """Runs `items` (list of (prompt_id, prompt_tokens)) through the engine, G samples each; continuous batching.
 
@@ -282,27 +307,21 @@ def generate_groups(engine, params, items, group_size, seed, on_group=None):
   G, B = group_size, engine.B
   if B < G:
     raise ValueError(f"slots={B} < group_size={G}")
-  pending, out, groups = list(items), {}, {}  # groups: pid -> slots
-  free = list(range(B))
-  while pending or groups:
+  pending, out, slots = list(items), {}, Slots(B)
+  while pending or slots.groups:
     new = []
-    while pending and len(free) >= G:
+    while pending and len(slots.free) >= G:
       pid, toks = pending.pop(0)
-      slots, free = free[:G], free[G:]
-      new.append((slots, toks, group_keys(seed, pid, G)))
-      groups[pid] = slots
+      new.append((slots.take(pid, G), toks, group_keys(seed, pid, G)))
     if new:
       engine.insert(params, new)  # every prompt that fits, prefilled as one batch
     active = engine.run_chunk(params)
-    for pid, slots in list(groups.items()):
-      if not active[slots].any():
-        toks, lps, n, _ = engine.rows(slots)
-        res = ([toks[i, :n[i]] for i in range(G)], [lps[i, :n[i]] for i in range(G)])
-        out[pid] = res
-        if on_group:
-          on_group(pid, *res)
-        free += slots
-        del groups[pid]
+    for pid in slots.finished(active):
+      toks, lps, n, _ = engine.rows(slots.release(pid)["slots"])
+      res = ([toks[i, :n[i]] for i in range(G)], [lps[i, :n[i]] for i in range(G)])
+      out[pid] = res
+      if on_group:
+        on_group(pid, *res)
   return out
 
 
@@ -632,9 +651,9 @@ def run_worker():
   engine = Engine(cfg, sc, FLAGS.slots, int(s.get("max_prompt_len") or FLAGS.max_prompt_len), FLAGS.chunk_steps,
                   FLAGS.attn_impl)
   engine.reset(jax.tree.leaves(params)[0].dtype)
-  free = list(range(FLAGS.slots))
+  slots = Slots(FLAGS.slots)  # item id -> dict(item, slots, version, t0, resumed)
+  groups = slots.groups
   group_size = 1  # learnt from the first prompt item
-  groups = {}  # item id -> dict(item, slots, version, t0)
   sent = dict(groups=0, tokens=0)
   t_start = time.time()
   drain_deadline = None
@@ -680,6 +699,9 @@ def run_worker():
     ids of this vocab, longer than the cache) fails alone (reported); the others start."""
     batch = []
     for item in items:
+      if item["id"] in groups:  # its lease expired while we generate it and came back to us: keep the one running
+        logging.warning("prompt %s leased again while in flight here; not started twice", item["id"])
+        continue
       try:
         p = np.asarray(item["prompt_tokens"])
         if p.ndim != 1 or not 1 <= len(p) <= engine.buckets[-1]:  # the trainer skips such prompts at load
@@ -700,8 +722,7 @@ def run_worker():
       except ValueError as e:  # the prompt itself is fine: generate it afresh (nothing is lost but the tokens)
         logging.warning("prompt %s: partial rollout not continued (%s); generating it afresh", item["id"], e)
         part = None
-      slots = [free.pop(0) for _ in range(G)]
-      batch.append((item, slots, p.astype(np.int32), part))
+      batch.append((item, slots.take(item["id"], G), p.astype(np.int32), part))
     if not batch:
       return
     rows, resume = [], [[] for _ in range(5)]  # prefill rows; continued slots, their tokens, logp, versions, done
@@ -719,12 +740,12 @@ def run_worker():
       if resume[0]:
         engine.resume(*resume)
     except Exception as e:  # not an item's fault as far as we could check: report each, the worker goes on
-      for it, sl, _, _ in batch:
-        free.extend(sl)
+      for it, _, _, _ in batch:
+        slots.release(it["id"])
         fail_item(client, it["id"], e, failed)
       return
-    for it, sl, _, part in batch:
-      groups[it["id"]] = dict(item=it, slots=sl, t0=time.time(),
+    for it, _, _, part in batch:
+      groups[it["id"]].update(item=it, t0=time.time(),
                               version=min([version] + [int(v.min()) for v in (part[2] if part else []) if len(v)]),
                               resumed=sum(len(t) for t in part[0]) if part else 0)
 
@@ -741,14 +762,14 @@ def run_worker():
       if new:
         version, params = new[0]["version"], new[1]
       # Refill free slots with leased prompts (none while draining).
-      if drain_deadline is None and len(free) >= group_size:
+      if drain_deadline is None and len(slots.free) >= group_size:
         # Lease only what fits now (group_size: the last group's G), so no prompt waits in a busy worker.
         t = time.time()
-        items = client.get("prompts", max_items=len(free) // group_size, wait_s=0.0 if groups else 1.0,
+        items = client.get("prompts", max_items=len(slots.free) // group_size, wait_s=0.0 if groups else 1.0,
                            lease_s=FLAGS.lease_s)
         if not groups:  # idle: nothing to decode while the lease call waits
           window.add(wait_prompts_s=time.time() - t)
-        fits, room = [], len(free)
+        fits, room = [], len(slots.free)
         for item in items:
           if not isinstance(item.get("group_size"), int) or item["group_size"] < 1:
             fail_item(client, item["id"], ValueError(f"group_size={item.get('group_size')!r} is not an int >= 1"),
@@ -769,14 +790,13 @@ def run_worker():
       t = time.time()
       active = engine.run_chunk(params, version)
       window.add(decode_s=time.time() - t)
-      done = [gid for gid, g in groups.items() if not active[g["slots"]].any()]
+      done = slots.finished(active)
       if not done:
         continue
       latest, stale = client.latest_version(), []
       for gid in done:
-        g = groups.pop(gid)
+        g = slots.release(gid)
         toks, lps, n, vers = engine.rows(g["slots"])
-        free.extend(g["slots"])
         # Tagged with the oldest version that produced any token (a continued group's may predate this worker).
         tag = min([g["version"]] + [int(vers[i, :n[i]].min()) for i in range(len(n)) if n[i]])
         if latest - tag > FLAGS.max_staleness and drain_deadline is None:
@@ -789,9 +809,9 @@ def run_worker():
         r = window.rates()
         stats = dict(last_pull, worker_busy_frac=r.get("decode_s", 0.0), worker_tok_s=r.get("tokens", 0.0),
                      worker_wait_prompts_frac=r.get("wait_prompts_s", 0.0),
-                     worker_wait_send_frac=r.get("wait_send_s", 0.0))
+                     worker_wait_send_frac=r.get("wait_send_s", 0.0),
+                     resumed_tokens=g["resumed"])  # generated by a preempted worker, continued here
         t = time.time()
-        stats["resumed_tokens"] = g["resumed"]  # generated by a preempted worker, continued here
         sender.submit(dict(id=gid, item=g["item"], version=tag, gen_s=time.time() - g["t0"], stats=stats,
                            completions=[toks[i, :n[i]].astype(np.int32) for i in range(len(g["slots"]))],
                            logprobs=[lps[i, :n[i]].astype(np.float32) for i in range(len(g["slots"]))]))
