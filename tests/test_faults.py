@@ -97,8 +97,12 @@ def test_worker_survives_a_poison_item_which_is_quarantined(tmp_path):
     assert sorted(rollouts) == ["s0", "s1", "s2"]
     assert [(n["id"], n["failures"]) for n in notices] == [("poison", 3)]
     assert "exceeds max_prompt_len" in notices[0]["reason"], notices[0]
-    st = c.stats()["queues"]["prompts"]
-    assert st["quarantined"] == 1 and st["ready"] == st["leased"] == 0
+    # The worker acks a prompt on its sender thread right after the rollout's put, so the last ack may trail
+    # the rollout we saw: wait for it (bounded) before checking that nothing is left.
+    t0 = time.time()
+    while (st := c.stats()["queues"]["prompts"])["leased"] and time.time() - t0 < 30:
+      time.sleep(0.1)
+    assert st["quarantined"] == 1 and st["ready"] == st["leased"] == 0, st
     assert worker.poll() is None  # still serving
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(timeout=60) == 0
