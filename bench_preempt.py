@@ -96,8 +96,14 @@ def scenario(workdir, *, d_model=128, n_layers=2, max_new_tokens=256, temperatur
     shards.publish([c], 0, params, meta)
     c.put("prompts", items)
     a = worker("A")
-    wave = slots // group_size  # groups A leases at a time
-    collect(lambda: c.stats()["queues"]["prompts"]["ready"] <= n_groups - 2 * wave, a, "worker A's second wave")
+    # Poll the lease of A's second wave tightly (a 0.2 s poll could miss the whole wave of a small model). A
+    # SIGTERM any time after that lease still lets the wave decode at least one chunk: the worker checks for
+    # the stop only at the top of its loop, before leasing, and the lease is followed by insert and a chunk.
+    wave, t0 = slots // group_size, time.time()  # groups A leases at a time
+    while c.stats()["queues"]["prompts"]["ready"] > n_groups - 2 * wave:
+      assert a.poll() is None, f"worker A exited (rc={a.returncode}) before its second wave, see {workdir}"
+      assert time.time() - t0 < timeout_s, f"worker A's second wave: timed out after {timeout_s}s, see {workdir}"
+      time.sleep(0.005)
     time.sleep(preempt_delay_s)
     a.send_signal(signal.SIGTERM)  # a TPU preemption notice: A is in the middle of its second wave
     assert a.wait(timeout=120) == 0, f"worker A exited with rc={a.returncode}"

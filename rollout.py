@@ -312,6 +312,8 @@ def generate_groups(engine, params, items, group_size, seed, on_group=None):
     new = []
     while pending and len(slots.free) >= G:
       pid, toks = pending.pop(0)
+      if not 1 <= len(toks) <= engine.max_prompt_len:  # (the buckets go further: they also fit continuations)
+        raise ValueError(f"prompt {pid!r} of {len(toks)} tokens exceeds max_prompt_len={engine.max_prompt_len}")
       new.append((slots.take(pid, G), toks, group_keys(seed, pid, G)))
     if new:
       engine.insert(params, new)  # every prompt that fits, prefilled as one batch
@@ -704,9 +706,9 @@ def run_worker():
         continue
       try:
         p = np.asarray(item["prompt_tokens"])
-        if p.ndim != 1 or not 1 <= len(p) <= engine.buckets[-1]:  # the trainer skips such prompts at load
+        if p.ndim != 1 or not 1 <= len(p) <= engine.max_prompt_len:  # the trainer skips such prompts at load
           raise ValueError(f"prompt {item.get('prompt_id')!r} of {p.size} tokens exceeds max_prompt_len="
-                           f"{engine.buckets[-1]} (or is empty)")
+                           f"{engine.max_prompt_len} (or is empty)")
         if p.dtype.kind not in "iu" or p.min() < 0 or p.max() >= cfg.vocab_size:
           raise ValueError(f"prompt {item.get('prompt_id')!r}: prompt_tokens are not token ids in "
                            f"[0, {cfg.vocab_size})")
