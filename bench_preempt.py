@@ -1,9 +1,10 @@
 """Benchmark: generated tokens a preempted worker saves (partial rollouts), measured through real processes.
 
 A parameter server runs in-process; a policy is published as the trainer does (shards.publish, v0), N prompt
-groups are queued, and worker A (`rollout.py`, --drain_s=0) starts. Once A's first rollout is on the server it is
-SIGTERMed preempt_delay_s after it leased its second wave of groups (the first wave is done, so everything is
-compiled): it hands the groups in flight back with their partial rollouts (Client.release).
+groups are queued, and worker A (`rollout.py`, --drain_s=0) starts. A is SIGTERMed once it has leased its second
+wave of groups (the first wave is done, so everything is compiled) plus preempt_frac of one wave's decode time
+(measured on the uninterrupted reference run below; a preemption lands anywhere in a wave) or preempt_delay_s:
+it hands the groups in flight back with their partial rollouts (Client.release).
 v1 (the same weights) is published and worker B starts; it continues the handed-back groups first. Every group's
 completions are compared with one uninterrupted in-process run (rollout.generate_groups, same weights, prompt ids
 and seed): tokens equal, max |log-prob difference| (the continued tokens' logits come from a prefill of prompt +
@@ -14,6 +15,7 @@ would be generated again), groups continued, tokens equal, max log-prob differen
 
   python bench_preempt.py --reps=3                   # demo-sized policy, 256 new tokens, greedy
   python bench_preempt.py --temperature=1 --reps=3   # sampled (a random policy's samples end early at EOS)
+  python bench_preempt.py --preempt_frac=0.9         # late in a wave: more tokens in flight
 """
 import os
 import signal
@@ -41,7 +43,7 @@ def _env():
 
 
 def scenario(workdir, *, d_model=128, n_layers=2, max_new_tokens=256, temperature=1.0, n_groups=6, group_size=2,
-             slots=4, chunk_steps=2, seed=0, preempt_delay_s=0.1, timeout_s=300.0):
+             slots=4, chunk_steps=2, seed=0, preempt_frac=0.5, preempt_delay_s=None, timeout_s=300.0):
   """One preemption (see the module docstring). Returns a dict of what was measured; raises AssertionError if a
   worker dies or the run does not finish within timeout_s."""
   tok_path = data.build_task_tokenizer(workdir, "arithmetic", seed=0)
@@ -62,7 +64,14 @@ def scenario(workdir, *, d_model=128, n_layers=2, max_new_tokens=256, temperatur
   sc = rollout.SamplingConfig(temperature, 0, 1.0, max_new_tokens, tuple(sorted(tok.stop_ids)))
   eng = rollout.Engine(cfg, sc, slots, 32, chunk_steps)
   eng.reset(jax.numpy.float32)
-  ref = rollout.generate_groups(eng, params, [(it["id"], it["prompt_tokens"]) for it in items], group_size, seed)
+  run_ref = lambda: rollout.generate_groups(  # noqa: E731
+      eng, params, [(it["id"], it["prompt_tokens"]) for it in items], group_size, seed)
+  ref = run_ref()  # compiles
+  t = time.time()
+  run_ref()
+  wave_s = (time.time() - t) / -(-n_groups // (slots // group_size))  # one wave of slots // G groups
+  if preempt_delay_s is None:  # a preemption lands at a random point of a wave: preempt_frac of one
+    preempt_delay_s = preempt_frac * wave_s
 
   token_file = os.path.join(workdir, "token")
   with open(token_file, "w") as f:
@@ -136,7 +145,8 @@ def scenario(workdir, *, d_model=128, n_layers=2, max_new_tokens=256, temperatur
               tokens_saved=sum(resumed.values()), groups_continued=sum(v > 0 for v in resumed.values()),
               continued_versions=sorted({int(got[g]["version"]) for g, v in resumed.items() if v}),
               fresh_versions=sorted({int(got[g]["version"]) for g, v in resumed.items() if not v}),
-              handed_back_logged="handed back" in log_a, prompts_left=left["ready"] + left["leased"])
+              handed_back_logged="handed back" in log_a, prompts_left=left["ready"] + left["leased"],
+              wave_s=wave_s, preempt_delay_s=preempt_delay_s)
 
 
 def main():
@@ -150,8 +160,8 @@ def main():
   flags.DEFINE_integer("groups", 6, "Prompt groups queued per round (count). Default 6.")
   flags.DEFINE_integer("group_size", 2, "Samples per prompt. Default 2.")
   flags.DEFINE_integer("slots", 4, "Worker decode slots. Default 4.")
-  flags.DEFINE_float("preempt_delay_s", 0.2, "Seconds after worker A leased its second wave that it is SIGTERMed. "
-                     "Default 0.2.")
+  flags.DEFINE_float("preempt_frac", 0.5, "When worker A is SIGTERMed after it leased its second wave, as a "
+                     "fraction of one wave's decode time (measured in-process). Default 0.5.")
   F = flags.FLAGS
 
   def run(argv):
@@ -161,16 +171,17 @@ def main():
       with tempfile.TemporaryDirectory() as tmp:
         m = scenario(tmp, d_model=F.d_model, n_layers=F.n_layers, max_new_tokens=F.max_new_tokens,
                      temperature=F.temperature, n_groups=F.groups, group_size=F.group_size, slots=F.slots, seed=r,
-                     preempt_delay_s=F.preempt_delay_s)
+                     preempt_frac=F.preempt_frac)
       rows.append(m)
       print(f"round {r}: {m['tokens_saved']} tokens saved in {m['groups_continued']} continued groups; "
             f"{m['tokens_equal']}/{m['tokens']} tokens equal to an uninterrupted run, max |dlogp| "
             f"{m['max_logp_diff']:.2e}; versions continued {m['continued_versions']} fresh {m['fresh_versions']}; "
-            f"prompts left {m['prompts_left']}", flush=True)
+            f"prompts left {m['prompts_left']}; SIGTERM {m['preempt_delay_s']:.3f} s into the wave (wave "
+            f"{m['wave_s']:.3f} s)", flush=True)
     saved = [m["tokens_saved"] for m in rows]
     print(f"tokens saved per preemption: mean {np.mean(saved):.1f} (min {min(saved)}, max {max(saved)}, "
           f"n={len(saved)}) of at most {F.slots * F.max_new_tokens} in flight (slots x max_new_tokens), "
-          f"{rows[0]['tokens']} generated per round; T={F.temperature}, SIGTERM {F.preempt_delay_s} s into a wave")
+          f"{rows[0]['tokens']} generated per round; T={F.temperature}, SIGTERM {F.preempt_frac} of a wave in")
   app.run(run)
 
 
