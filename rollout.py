@@ -144,10 +144,12 @@ class Engine:
                attn_impl="auto", prompt_buckets=(16, 32, 64, 128, 256, 512, 1024, 2048)):
     self.cfg, self.sc, self.B, self.chunk_steps = cfg, sc, slots, chunk_steps
     self.M, self.max_prompt_len = sc.max_new_tokens, max_prompt_len
-    # Prefill lengths: prompts up to max_prompt_len; a continued sample (resume) prefills prompt + its partial
+    # Prefill lengths: prompts up to max_prompt_len (the same buckets as before partial rollouts, so a fresh
+    # prompt's prefill shape is unchanged); a continued sample (resume) prefills prompt + its partial
     # completion, up to max_prompt_len + M.
     longest = max_prompt_len + self.M
-    self.buckets = tuple(b for b in prompt_buckets if b < longest) + (longest,)
+    self.buckets = (tuple(b for b in prompt_buckets if b < max_prompt_len) + (max_prompt_len,)
+                    + tuple(b for b in prompt_buckets if max_prompt_len < b < longest) + (longest,))
     # A finished slot keeps decoding until the next host sync, so leave chunk_steps of slack in the cache.
     self.S = max_prompt_len + self.M + chunk_steps
     self.attn_impl = attn_impl

@@ -360,7 +360,7 @@ def test_a_prompt_longer_than_max_prompt_len_is_refused_though_continuations_may
   but a fresh prompt past max_prompt_len would leave too little cache for its completion: refused by name."""
   sc = rollout.SamplingConfig(1.0, 0, 1.0, 6, ())
   eng = rollout.Engine(CFG, sc, slots=4, max_prompt_len=12, chunk_steps=3)
-  assert eng.buckets[-1] == 18 and eng.bucket(17) == 18
+  assert eng.buckets == (12, 16, 18) and eng.bucket(11) == 12 and eng.bucket(17) == 18  # fresh prompts: <= 12
   eng.reset(jnp.float32)
   with pytest.raises(ValueError, match="'long' of 13 tokens exceeds max_prompt_len=12"):
     rollout.generate_groups(eng, params, [("long", list(range(3, 16)))], 2, seed=0)
