@@ -842,6 +842,11 @@ class _Queue:
     return i in self.ready or i in self.leased or i in self.acked or i in self.quarantined
 
 
+def _stored(m, payload, off, n):
+  """(meta, blob) as a queue stores an item from a PUT (or release) request: its metadata and its n bytes."""
+  return {"json": m.get("json", {}), "arrays": m.get("arrays", {}), "nbytes": n}, bytes(payload[off:off + n])
+
+
 def _seconds(h, key, default, hi, clamp=True):
   """A duration field of a request: a finite int/float (not a str, not a bool), clamped to [0, hi] (waits) or
   refused above hi (clamp=False). NaN would defeat every deadline computed from it."""
@@ -1427,8 +1432,7 @@ class Server:
           rejected.append(i)
           end = 0.0  # the queue is full: do not wait again for each remaining item
           continue
-        new[i] = ({"json": m.get("json", {}), "arrays": m.get("arrays", {}), "nbytes": n},
-                  bytes(payload[off:off + n]))
+        new[i] = _stored(m, payload, off, n)
         new_bytes += n
       self._write(q, [q._record(1, {"id": i, "meta": meta}, blob) for i, (meta, blob) in new.items()], "put")
       q.ready.update(new)
@@ -1450,8 +1454,7 @@ class Server:
       new, unknown = {}, []
       for m, off, n in items:
         if m["id"] in q.leased or m["id"] in q.ready:
-          new[m["id"]] = ({"json": m.get("json", {}), "arrays": m.get("arrays", {}), "nbytes": n},
-                          bytes(payload[off:off + n]))
+          new[m["id"]] = _stored(m, payload, off, n)
         else:
           unknown.append(m["id"])
       self._write(q, [q._record(4, {"id": i, "meta": meta}, blob) for i, (meta, blob) in new.items()], "release")

@@ -655,7 +655,7 @@ def run_worker():
   engine = Engine(cfg, sc, FLAGS.slots, int(s.get("max_prompt_len") or FLAGS.max_prompt_len), FLAGS.chunk_steps,
                   FLAGS.attn_impl)
   engine.reset(jax.tree.leaves(params)[0].dtype)
-  slots = Slots(FLAGS.slots)  # item id -> dict(item, slots, version, t0, resumed)
+  slots = Slots(FLAGS.slots)  # item id -> dict(item, slots, t0, resumed)
   groups = slots.groups
   group_size = 1  # learnt from the first prompt item
   sent = dict(groups=0, tokens=0)
@@ -749,9 +749,7 @@ def run_worker():
         fail_item(client, it["id"], e, failed)
       return
     for it, _, _, part in batch:
-      groups[it["id"]].update(item=it, t0=time.time(),
-                              version=min([version] + [int(v.min()) for v in (part[2] if part else []) if len(v)]),
-                              resumed=sum(len(t) for t in part[0]) if part else 0)
+      groups[it["id"]].update(item=it, t0=time.time(), resumed=sum(len(t) for t in part[0]) if part else 0)
 
   try:
     while True:
@@ -801,8 +799,9 @@ def run_worker():
       for gid in done:
         g = slots.release(gid)
         toks, lps, n, vers = engine.rows(g["slots"])
-        # Tagged with the oldest version that produced any token (a continued group's may predate this worker).
-        tag = min([g["version"]] + [int(vers[i, :n[i]].min()) for i in range(len(n)) if n[i]])
+        # Tagged with the oldest version that produced any token: the engine keeps each token's version, the
+        # carried ones of a continued group included (they may predate this worker).
+        tag = min((int(vers[i, :n[i]].min()) for i in range(len(n)) if n[i]), default=version)
         if latest - tag > FLAGS.max_staleness and drain_deadline is None:
           # Too stale for the trainer: regenerated below with the newest weights, from scratch.
           stale.append({k: v for k, v in g["item"].items() if k not in PARTIAL})
