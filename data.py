@@ -1263,6 +1263,122 @@ class PassRateTracker:
     self.stats = {str(k): [int(v[0]), float(v[1]), float(v[2])] for k, v in d["stats"].items()}
 
 
+# ----------------------------------------------------------------------------------------- queue records
+# The two records on the parameter server's queues, defined once: the trainer writes PromptItems ("prompts")
+# and reads Rollouts ("rollouts"), a worker the reverse. On the wire each is one flat dict of JSON fields and
+# numpy arrays (param_server's item encoding). from_wire checks every field and raises a ValueError naming the
+# item and the field: a malformed item from a buggy or hostile peer is reported and set aside, never a crash.
+
+PARTIAL_FIELDS = ("partial_tokens", "partial_logprobs", "partial_versions", "partial_done")
+
+
+def _need(d, field, kinds, where, what):
+  v = d.get(field)
+  if not isinstance(v, kinds) or isinstance(v, bool) and bool not in kinds:
+    raise ValueError(f"{where}: field {field!r} must be {what}, got {type(v).__name__} {str(v)[:40]!r}")
+  return v
+
+
+def _token_ids(v, field, where) -> np.ndarray:
+  a = np.asarray(v) if isinstance(v, (np.ndarray, list)) else None
+  if a is None or a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+    raise ValueError(f"{where}: field {field!r} must be a 1-D array of token ids, got {type(v).__name__}")
+  return a.astype(np.int32)
+
+
+def _problem_wire(p: Problem) -> dict:
+  return dict(prompt_id=p.id, prompt=p.prompt, answer=p.answer, task=p.task,
+              tests=list(p.tests) if p.tests else None)
+
+
+def _problem_from_wire(d, where) -> Problem:
+  for f in ("prompt_id", "prompt", "answer", "task"):
+    _need(d, f, (str,), where, "a str")
+  tests = d.get("tests")
+  if tests is not None and not isinstance(tests, (list, tuple)):
+    raise ValueError(f"{where}: field 'tests' must be a list or null, got {type(tests).__name__}")
+  return Problem(id=d["prompt_id"], prompt=d["prompt"], answer=d["answer"], task=d["task"],
+                 tests=tuple(tests) if tests else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptItem:
+  """One entry of the "prompts" queue: sample group_size completions of `problem` from `prompt_tokens` (the
+  rendered prompt, bos included; the trainer tokenizes, so every worker prefills the same ids). `partial`: a
+  preempted worker's progress on it (the PARTIAL_FIELDS, checked by the worker that continues it with
+  rollout.partial_of), else None."""
+  id: str
+  problem: Problem
+  prompt_tokens: np.ndarray  # [S] int32
+  group_size: int
+  partial: Optional[dict] = None
+
+  def to_wire(self) -> dict:
+    return dict(id=self.id, **_problem_wire(self.problem), group_size=self.group_size,
+                prompt_tokens=np.asarray(self.prompt_tokens, np.int32), **(self.partial or {}))
+
+  @classmethod
+  def from_wire(cls, d: dict) -> "PromptItem":
+    where = f"prompt item {d.get('id')!r}"
+    _need(d, "id", (str,), where, "a str")
+    if _need(d, "group_size", (int,), where, "an int >= 1") < 1:
+      raise ValueError(f"{where}: group_size={d['group_size']} is not an int >= 1")
+    return cls(d["id"], _problem_from_wire(d, where), _token_ids(d.get("prompt_tokens"), "prompt_tokens", where),
+               d["group_size"], {k: d[k] for k in PARTIAL_FIELDS if k in d} or None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+  """One entry of the "rollouts" queue: the G completions a worker sampled for the PromptItem of the same id,
+  their behaviour log-probs and verifier rewards. version: the oldest policy version that produced any of its
+  tokens. stats: the numbers the worker sends along (pull_bytes, worker_tok_s, resumed_tokens, ...), which the
+  trainer logs per step."""
+  id: str
+  version: int
+  worker: str
+  problem: Problem
+  prompt_tokens: np.ndarray  # [S] int32
+  completions: list  # G x [n_g] int32
+  logprobs: list  # G x [n_g] float32
+  rewards: np.ndarray  # [G] float32
+  gen_s: float = 0.0
+  stats: dict = dataclasses.field(default_factory=dict)
+
+  def prompt_item(self, id: str, group_size: int) -> PromptItem:
+    """The prompt again, under a new id (a stale rollout's prompt is re-issued)."""
+    return PromptItem(id, self.problem, self.prompt_tokens, group_size)
+
+  def to_wire(self) -> dict:
+    return dict(id=self.id, version=self.version, worker=self.worker, **_problem_wire(self.problem),
+                prompt_tokens=np.asarray(self.prompt_tokens, np.int32), completions=list(self.completions),
+                logprobs=list(self.logprobs), rewards=np.asarray(self.rewards, np.float32), gen_s=self.gen_s,
+                **self.stats)
+
+  @classmethod
+  def from_wire(cls, d: dict) -> "Rollout":
+    where = f"rollout {d.get('id')!r}"
+    _need(d, "id", (str,), where, "a str")
+    _need(d, "version", (int,), where, "an int")
+    comps = _need(d, "completions", (list,), where, "a list")
+    lps = _need(d, "logprobs", (list,), where, "a list")
+    rewards = np.asarray(d.get("rewards", ()), np.float64) if isinstance(d.get("rewards"), (np.ndarray, list)) \
+        else None
+    if rewards is None or rewards.shape != (len(comps),) or not comps or len(lps) != len(comps) \
+            or not np.all(np.isfinite(rewards)):
+      raise ValueError(f"{where}: completions, logprobs and rewards must be G >= 1 entries each with finite "
+                       f"rewards; got {len(comps)}, {len(lps)}, {None if rewards is None else rewards.shape}")
+    comps = [_token_ids(c, f"completions[{i}]", where) for i, c in enumerate(comps)]
+    for i, (c, lp) in enumerate(zip(comps, lps)):
+      if not isinstance(lp, (np.ndarray, list)) or np.shape(lp) != c.shape:
+        raise ValueError(f"{where}: logprobs[{i}] must be {len(c)} log-probs, one per completion token")
+    known = {f.name for f in dataclasses.fields(cls)} | set(_problem_wire(Problem("", "", "")))
+    stats = {k: v for k, v in d.items() if k not in known and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return cls(d["id"], d["version"], str(d.get("worker", "")), _problem_from_wire(d, where),
+               _token_ids(d.get("prompt_tokens"), "prompt_tokens", where), comps,
+               [np.asarray(lp, np.float32) for lp in lps], rewards.astype(np.float32), float(d.get("gen_s", 0.0)),
+               stats)
+
+
 def group_has_signal(rewards, eps: float = 1e-6) -> bool:
   """The one dynamic-sampling criterion (DAPO): a group's rewards are not all equal (max - min > eps); a group
   that fails it carries no GRPO advantage. Used by train.py and dynamic_sampling_filter."""
