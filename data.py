@@ -11,27 +11,28 @@ Design choices
   (encode/decode round-trips exactly), ids pad=0 unk=1 bos=2 eos=3.
 - Prompt template applied in exactly one place: `render_prompt` ("plain" for built-ins, "chatml" for
   Qwen-style chat checkpoints).
-- Built-in tasks are generated on the fly, deterministically from a seed. A problem belongs to the eval split
-  iff sha256(prompt) falls in a fixed 20% bucket, so held-out problems can never appear in training, whatever
-  seeds or sizes are used.
+- Tasks: a task is one frozen `Task` in the plain dict `TASKS` (its verifier, SFT reference, generator with its
+  ops and difficulty bounds, tokenizer settings), picked by name: --task, --eval_task, a jsonl line's "task".
+  `verify(problem, completion)` -> 1.0/0.0 by problem.task's verifier. Generated tasks are deterministic in a
+  seed; a problem is in the eval split iff sha256(prompt) falls in a fixed 20% bucket, so held-out problems
+  never appear in training, whatever seeds or sizes are used.
     arithmetic  prompt "12+345="         completion "357"      (then eos). difficulty = max digits per
                 operand (each operand draws its digit count uniformly in 1..difficulty); ops from `ops`
-                (default "+-"; "*" allowed). Answers may be negative ("3-15=" -> "-12").
+                (default "+-"; "*" allowed). Answers may be negative ("3-15=" -> "-12"). Reward: the
+                canonical integer equal to the answer, surrounding whitespace tolerated.
     countdown   prompt "3 5 7 -> 22:"    completion "3*5+7"    (then eos). difficulty = how many numbers
                 (>= 2), each in 1..max_number; the target is built from a random expression over all of them
                 with `ops` (default "+-*"), so it is always reachable. The verifier accepts any expression of
                 non-negative integer literals, + - * / and parentheses that uses each given number AT MOST
                 once (classic countdown) and equals the target exactly (Fraction arithmetic, no eval);
                 an optional trailing "=<target>" is allowed.
-- Verifiers return 1.0/0.0. `verify(problem, completion)` dispatches on `problem.task`:
-    arithmetic  canonical integer equal to the answer, surrounding whitespace tolerated;
-    countdown   as above;
-    math        math-verify on `extract_answer(completion, strict)` (`math_verify_equal`); old: `math_answer_equal`: last \\boxed{}/\\fbox{}, else the last
-                "answer is/answer:" line, else the last number of the last line; integers, decimals,
-                fractions a/b, \\frac{a}{b} (\\dfrac, \\tfrac, \\frac12), negatives, thousands separators
-                ("1,234" only with groups of exactly 3 digits), "x = 5"; numbers compare exactly as Fractions
-                (0.5 == \\frac{1}{2}, 0.333 != 1/3), anything else by whitespace-free string equality;
-    code        `run_code`: the last ```python fenced block (or the whole completion) against the tests.
+    math        (jsonl) math-verify on `extract_answer(completion, strict)` (`math_verify_equal`); old:
+                `math_answer_equal`: last \\boxed{}/\\fbox{}, else the last "answer is/answer:" line, else the
+                last number of the last line; integers, decimals, fractions a/b, \\frac{a}{b} (\\dfrac, \\tfrac,
+                \\frac12), negatives, thousands separators ("1,234" only with groups of exactly 3 digits),
+                "x = 5"; numbers compare exactly as Fractions (0.5 == \\frac{1}{2}, 0.333 != 1/3), anything else
+                by whitespace-free string equality. SFT reference "\\boxed{answer}".
+    code        (jsonl) `run_code`: the last ```python fenced block (or the whole completion) against the tests.
 - Code sandbox (`run_code`): a fresh `python -I -S` child (no env vars, no site-packages, no .pth processing) in
   its own session and temp dir, minimal environment (no proxies). Its spec (code, test inputs or asserts, the
   nonce) arrives on a pipe and fd 0 is replaced by /dev/null before candidate code runs, so the spec cannot be
@@ -74,7 +75,8 @@ Design choices
 
 Public API
   Problem(id, prompt, answer, task="math", tests=None)            frozen; tests: tuple of str | (stdin, stdout)
-  render_prompt(problem, template="plain", system=None) -> str;  reference_completion(problem) -> str (SFT target)
+  Task(verify, reference, ...); TASKS: {name: Task};  reference_completion(problem) -> str (SFT target)
+  render_prompt(problem, template="plain", system=None) -> str
   load_jsonl(path) -> list[Problem];  write_jsonl(path, problems, pass_rates=None)
   split(problems, held_out, seed=0) -> (train, held_out)          held_out: fraction in (0,1) or count
   PromptStream(problems, seed=0, shuffle=True): next(), take(n), state_dict(), load_state_dict(d)
@@ -923,29 +925,24 @@ def run_code(code: str, tests, limits: SandboxLimits = SandboxLimits()) -> CodeR
     return CodeResult(passed, reason, stderr, lines[0] if lines else "")
 
 
-# -------------------------------------------------------------------------------------------------- tasks
+# ------------------------------------------------------------------------------------------------- tasks
 
 @dataclasses.dataclass(frozen=True)
 class Task:
   """One task, all in one place: an entry of TASKS, picked by name (train.py --task, rollout.py --eval_task, a
-  jsonl line's "task" field).
-    verify(problem, completion, limits, strict_math) -> 1.0 / 0.0: runs in the verifier pool's processes, under
-      their timeout (limits: code's sandbox; strict_math: math's extraction).
-    reference(problem) -> the SFT warm-start target (the caller appends eos), or None where there is none.
-    generate(rng, difficulty, ops, max_number) -> (prompt, answer), or None for a failed draw, deterministic in
-      rng; None for jsonl-only tasks. make_task_problems checks that ops is a non-empty subset of `ops` (None
-      means `default_ops`) and difficulty an int >= min_difficulty.
-    The built-in tokenizer (build_task_tokenizer) learns each character of `alphabet` and generated problems at
-    the `tokenizer_levels` difficulties with `tokenizer_ops` (None: default_ops)."""
-  verify: Callable
-  reference: Callable
+  jsonl line's "task" field)."""
+  verify: Callable  # (problem, completion, limits, strict_math) -> 1.0/0.0; runs in the verifier pool's processes
+  reference: Callable  # problem -> the SFT warm-start target (the caller appends eos), or None where there is none
   needs_tests: bool = False  # jsonl lines must carry a non-empty "tests" list
+  # (rng, difficulty, ops, max_number) -> (prompt, answer), or None for a failed draw; None: a jsonl-only task.
+  # make_task_problems checks that ops is a non-empty subset of `ops` and difficulty an int >= min_difficulty.
   generate: Optional[Callable] = None
   ops: str = ""
-  default_ops: str = ""
+  default_ops: str = ""  # when the caller passes ops=None
   min_difficulty: int = 1
+  # build_task_tokenizer learns each character of `alphabet` and generated problems at these difficulties and ops.
   tokenizer_levels: tuple = ()
-  tokenizer_ops: Optional[str] = None
+  tokenizer_ops: Optional[str] = None  # None: default_ops
   alphabet: str = ""
 
 
@@ -1033,14 +1030,6 @@ def _verify_countdown(problem, completion, *_) -> float:
     return 0.0
 
 
-def _verify_math(problem, completion, limits, strict_math) -> float:  # strict: only a \\boxed{} answer counts
-  return float(math_verify_equal(extract_answer(completion, strict=strict_math), problem.answer))
-
-
-def _verify_code(problem, completion, limits, strict_math) -> float:
-  return float(run_code(_extract_code(completion), problem.tests, limits).passed)
-
-
 _DIGITS_AND_OPS = "0123456789+-*/()=:> "  # every character arithmetic and countdown write
 
 # The tasks: add yours here (see Task), then train with --task=NAME and evaluate with --eval_task=NAME.
@@ -1049,13 +1038,16 @@ TASKS = {
                        tokenizer_levels=(2, 3, 4), tokenizer_ops="+-*", alphabet=_DIGITS_AND_OPS),
     "countdown": Task(_verify_countdown, lambda p: p.answer, generate=_countdown, ops="+-*/", default_ops="+-*",
                       min_difficulty=2, tokenizer_levels=(2, 3, 4), alphabet=_DIGITS_AND_OPS),
-    "math": Task(_verify_math, lambda p: f"\\boxed{{{p.answer}}}"),
-    "code": Task(_verify_code, lambda p: p.answer or None, needs_tests=True),  # the answer field: a reference program
+    # math: strict_math counts only a \\boxed{} answer; code: the answer field is a reference program.
+    "math": Task(lambda p, c, limits, strict_math: float(math_verify_equal(extract_answer(c, strict=strict_math), p.answer)),
+                 lambda p: f"\\boxed{{{p.answer}}}"),
+    "code": Task(lambda p, c, limits, strict_math: float(run_code(_extract_code(c), p.tests, limits).passed),
+                 lambda p: p.answer or None, needs_tests=True),
 }
 
 
 def _task_names(has) -> str:
-  """"'a' or 'b'": the tasks for which has(task) holds, for error messages."""
+  """The tasks for which has(task) holds, as "'a' or 'b'" for error messages."""
   return " or ".join(repr(name) for name, t in TASKS.items() if has(t))
 
 
@@ -1101,10 +1093,9 @@ def reference_completion(problem: Problem) -> str:
 def verify(problem: Problem, completion: str, limits: SandboxLimits = SandboxLimits(), strict_math: bool = True) -> float:
   """Reward in {0.0, 1.0} for `completion` (the decoded text after the prompt, eos already stripped) by the verifier
   of problem.task (TASKS)."""
-  task = TASKS.get(problem.task)
-  if task is None:
+  if problem.task not in TASKS:
     raise ValueError(f"verify: problem {problem.id!r} has unknown task {problem.task!r}")
-  return task.verify(problem, completion, limits, strict_math)
+  return TASKS[problem.task].verify(problem, completion, limits, strict_math)
 
 
 # ----------------------------------------------------------------------------------------- verifier pool
