@@ -11,11 +11,10 @@ Design choices
   (encode/decode round-trips exactly), ids pad=0 unk=1 bos=2 eos=3.
 - Prompt template applied in exactly one place: `render_prompt` ("plain" for built-ins, "chatml" for
   Qwen-style chat checkpoints).
-- Tasks: a task is one frozen `Task` in the plain dict `TASKS` (its verifier, SFT reference, generator with its
-  ops and difficulty bounds, tokenizer settings), picked by name: --task, --eval_task, a jsonl line's "task".
-  `verify(problem, completion)` -> 1.0/0.0 by problem.task's verifier. Generated tasks are deterministic in a
-  seed; a problem is in the eval split iff sha256(prompt) falls in a fixed 20% bucket, so held-out problems
-  never appear in training, whatever seeds or sizes are used.
+- Tasks: each is one `Task` in the plain dict `TASKS` (verifier, SFT reference, generator with its ops and
+  difficulty bounds, tokenizer settings), picked by name. `verify(problem, completion)` -> 1.0/0.0 by the verifier
+  of problem.task. Generation is deterministic in a seed; a problem is in the eval split iff sha256(prompt) falls
+  in a fixed 20% bucket, so held-out problems never appear in training, whatever seeds or sizes are used.
     arithmetic  prompt "12+345="         completion "357"      (then eos). difficulty = max digits per
                 operand (each operand draws its digit count uniformly in 1..difficulty); ops from `ops`
                 (default "+-"; "*" allowed). Answers may be negative ("3-15=" -> "-12"). Reward: the
@@ -925,24 +924,139 @@ def run_code(code: str, tests, limits: SandboxLimits = SandboxLimits()) -> CodeR
     return CodeResult(passed, reason, stderr, lines[0] if lines else "")
 
 
+def _pool_worker(conn, limits, tmp_dir, strict_math=True):
+  # Runs in a spawned process: scores jobs until the pipe closes. Exceptions score 0 and are reported.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  tempfile.tempdir = tmp_dir  # sandbox dirs of a killed worker are then removed by the pool
+  conn.send(("ready", None, None))  # startup (imports) must not count against the first call's timeout
+  while True:
+    try:
+      idx, problem, completion = conn.recv()
+    except (EOFError, OSError):
+      return
+    try:
+      conn.send((idx, verify(problem, completion, limits, strict_math), None))
+    except Exception as e:  # a verifier bug must not take the pool down
+      conn.send((idx, 0.0, f"{type(e).__name__}: {e}"))
+
+
+class VerifierPool:
+  """Bounded pool of spawned verifier processes. score() hands each (problem, completion) to a free worker;
+  a call still running after timeout_s scores 0 and its worker is killed and replaced. max_workers=0 runs
+  verify() inline (no isolation, no timeout). Counters: timeouts, crashes, errors (last in last_error)."""
+
+  def __init__(self, max_workers: int = 2, timeout_s: float = 30.0, limits: SandboxLimits = SandboxLimits(),
+               strict_math: bool = True):
+    if max_workers < 0 or timeout_s <= 0:
+      raise ValueError(f"VerifierPool: need max_workers >= 0 and timeout_s > 0, got {max_workers}, {timeout_s}")
+    self.max_workers, self.timeout_s, self.limits = max_workers, timeout_s, limits
+    self.strict_math = strict_math
+    self.startup_timeout_s = 120.0
+    self._ctx = multiprocessing.get_context("spawn")  # fork after JAX/threads is unsafe
+    self._tmp = tempfile.mkdtemp(prefix="rlax-verifier-") if max_workers else None
+    self._spawned = 0
+    self._workers = []  # [process, connection]
+    self.timeouts = self.crashes = self.errors = 0
+    self.last_error = None
+
+  def _spawn(self):
+    parent, child = self._ctx.Pipe()
+    tmp_dir = os.path.join(self._tmp, f"w{self._spawned}")
+    os.mkdir(tmp_dir)
+    self._spawned += 1
+    proc = self._ctx.Process(target=_pool_worker, args=(child, self.limits, tmp_dir, self.strict_math), daemon=True)
+    proc.start()
+    child.close()
+    return [proc, parent, tmp_dir]
+
+  def _await_ready(self, workers):
+    for w in workers:
+      try:
+        ok = w[1].poll(self.startup_timeout_s) and w[1].recv()[0] == "ready"
+      except (EOFError, OSError):
+        ok = False
+      if not ok:
+        raise RuntimeError(f"VerifierPool: a worker failed to start within {self.startup_timeout_s}s "
+                           f"(exit code {w[0].exitcode}); see its traceback above")
+    return workers
+
+  def _kill(self, w):
+    # Its sandbox child (if any) dies with it through PR_SET_PDEATHSIG; its temp dirs go here.
+    w[0].kill()
+    w[0].join()
+    w[1].close()
+    shutil.rmtree(w[2], ignore_errors=True)
+
+  def score(self, problems, completions) -> list:
+    if len(problems) != len(completions):
+      raise ValueError(f"VerifierPool.score: {len(problems)} problems but {len(completions)} completions")
+    if self.max_workers == 0:
+      return [verify(p, c, self.limits, self.strict_math) for p, c in zip(problems, completions)]
+    if not self._workers:
+      self._workers = self._await_ready([self._spawn() for _ in range(self.max_workers)])
+    scores, pending, free = [0.0] * len(problems), deque(range(len(problems))), list(self._workers)
+    busy = {}  # connection -> (worker, index, start time)
+    while pending or busy:
+      while pending and free:
+        w, i = free.pop(), pending.popleft()
+        w[1].send((i, problems[i], completions[i]))
+        busy[w[1]] = (w, i, time.monotonic())
+      oldest = min(t for _, _, t in busy.values())
+      ready = multiprocessing.connection.wait(list(busy), timeout=max(0.0, oldest + self.timeout_s - time.monotonic()))
+      for conn in ready:
+        w, i, _ = busy.pop(conn)
+        try:
+          _, scores[i], err = conn.recv()
+          if err is not None:
+            self.errors, self.last_error = self.errors + 1, err
+          free.append(w)
+        except (EOFError, OSError):  # the worker died mid-call: score 0, replace it
+          self.crashes += 1
+          free.append(self._replace(w))
+      now = time.monotonic()
+      for conn, (w, i, t) in list(busy.items()):
+        if now - t >= self.timeout_s:
+          del busy[conn]
+          self.timeouts += 1
+          free.append(self._replace(w))
+    return scores
+
+  def _replace(self, w):
+    self._kill(w)
+    new = self._await_ready([self._spawn()])[0]
+    self._workers[self._workers.index(w)] = new
+    return new
+
+  def close(self):
+    for w in self._workers:
+      self._kill(w)
+    self._workers = []
+    if self._tmp:
+      shutil.rmtree(self._tmp, ignore_errors=True)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
 # ------------------------------------------------------------------------------------------------- tasks
 
 @dataclasses.dataclass(frozen=True)
 class Task:
   """One task, all in one place: an entry of TASKS, picked by name (train.py --task, rollout.py --eval_task, a
-  jsonl line's "task" field)."""
+  jsonl line's "task" field). Without `generate` it is jsonl-only (math, code); with it, generate must depend
+  on nothing but its arguments, so that a seed reproduces the problems."""
   verify: Callable  # (problem, completion, limits, strict_math) -> 1.0/0.0; runs in the verifier pool's processes
   reference: Callable  # problem -> the SFT warm-start target (the caller appends eos), or None where there is none
   needs_tests: bool = False  # jsonl lines must carry a non-empty "tests" list
-  # (rng, difficulty, ops, max_number) -> (prompt, answer), or None for a failed draw; None: a jsonl-only task.
-  # make_task_problems checks that ops is a non-empty subset of `ops` and difficulty an int >= min_difficulty.
-  generate: Optional[Callable] = None
-  ops: str = ""
-  default_ops: str = ""  # when the caller passes ops=None
-  min_difficulty: int = 1
-  # build_task_tokenizer learns each character of `alphabet` and generated problems at these difficulties and ops.
-  tokenizer_levels: tuple = ()
-  tokenizer_ops: Optional[str] = None  # None: default_ops
+  generate: Optional[Callable] = None  # (rng, difficulty, ops, max_number) -> (prompt, answer), None: a failed draw
+  ops: str = ""  # make_task_problems takes a non-empty subset of these ops,
+  default_ops: str = ""  # these when ops=None,
+  min_difficulty: int = 1  # and an int difficulty >= this
+  tokenizer_levels: tuple = ()  # build_task_tokenizer learns problems at these difficulties,
+  tokenizer_ops: Optional[str] = None  # with these ops (None: default_ops), and each character of
   alphabet: str = ""
 
 
@@ -1096,125 +1210,6 @@ def verify(problem: Problem, completion: str, limits: SandboxLimits = SandboxLim
   if problem.task not in TASKS:
     raise ValueError(f"verify: problem {problem.id!r} has unknown task {problem.task!r}")
   return TASKS[problem.task].verify(problem, completion, limits, strict_math)
-
-
-# ----------------------------------------------------------------------------------------- verifier pool
-
-def _pool_worker(conn, limits, tmp_dir, strict_math=True):
-  # Runs in a spawned process: scores jobs until the pipe closes. Exceptions score 0 and are reported.
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  tempfile.tempdir = tmp_dir  # sandbox dirs of a killed worker are then removed by the pool
-  conn.send(("ready", None, None))  # startup (imports) must not count against the first call's timeout
-  while True:
-    try:
-      idx, problem, completion = conn.recv()
-    except (EOFError, OSError):
-      return
-    try:
-      conn.send((idx, verify(problem, completion, limits, strict_math), None))
-    except Exception as e:  # a verifier bug must not take the pool down
-      conn.send((idx, 0.0, f"{type(e).__name__}: {e}"))
-
-
-class VerifierPool:
-  """Bounded pool of spawned verifier processes. score() hands each (problem, completion) to a free worker;
-  a call still running after timeout_s scores 0 and its worker is killed and replaced. max_workers=0 runs
-  verify() inline (no isolation, no timeout). Counters: timeouts, crashes, errors (last in last_error)."""
-
-  def __init__(self, max_workers: int = 2, timeout_s: float = 30.0, limits: SandboxLimits = SandboxLimits(),
-               strict_math: bool = True):
-    if max_workers < 0 or timeout_s <= 0:
-      raise ValueError(f"VerifierPool: need max_workers >= 0 and timeout_s > 0, got {max_workers}, {timeout_s}")
-    self.max_workers, self.timeout_s, self.limits = max_workers, timeout_s, limits
-    self.strict_math = strict_math
-    self.startup_timeout_s = 120.0
-    self._ctx = multiprocessing.get_context("spawn")  # fork after JAX/threads is unsafe
-    self._tmp = tempfile.mkdtemp(prefix="rlax-verifier-") if max_workers else None
-    self._spawned = 0
-    self._workers = []  # [process, connection]
-    self.timeouts = self.crashes = self.errors = 0
-    self.last_error = None
-
-  def _spawn(self):
-    parent, child = self._ctx.Pipe()
-    tmp_dir = os.path.join(self._tmp, f"w{self._spawned}")
-    os.mkdir(tmp_dir)
-    self._spawned += 1
-    proc = self._ctx.Process(target=_pool_worker, args=(child, self.limits, tmp_dir, self.strict_math), daemon=True)
-    proc.start()
-    child.close()
-    return [proc, parent, tmp_dir]
-
-  def _await_ready(self, workers):
-    for w in workers:
-      try:
-        ok = w[1].poll(self.startup_timeout_s) and w[1].recv()[0] == "ready"
-      except (EOFError, OSError):
-        ok = False
-      if not ok:
-        raise RuntimeError(f"VerifierPool: a worker failed to start within {self.startup_timeout_s}s "
-                           f"(exit code {w[0].exitcode}); see its traceback above")
-    return workers
-
-  def _kill(self, w):
-    # Its sandbox child (if any) dies with it through PR_SET_PDEATHSIG; its temp dirs go here.
-    w[0].kill()
-    w[0].join()
-    w[1].close()
-    shutil.rmtree(w[2], ignore_errors=True)
-
-  def score(self, problems, completions) -> list:
-    if len(problems) != len(completions):
-      raise ValueError(f"VerifierPool.score: {len(problems)} problems but {len(completions)} completions")
-    if self.max_workers == 0:
-      return [verify(p, c, self.limits, self.strict_math) for p, c in zip(problems, completions)]
-    if not self._workers:
-      self._workers = self._await_ready([self._spawn() for _ in range(self.max_workers)])
-    scores, pending, free = [0.0] * len(problems), deque(range(len(problems))), list(self._workers)
-    busy = {}  # connection -> (worker, index, start time)
-    while pending or busy:
-      while pending and free:
-        w, i = free.pop(), pending.popleft()
-        w[1].send((i, problems[i], completions[i]))
-        busy[w[1]] = (w, i, time.monotonic())
-      oldest = min(t for _, _, t in busy.values())
-      ready = multiprocessing.connection.wait(list(busy), timeout=max(0.0, oldest + self.timeout_s - time.monotonic()))
-      for conn in ready:
-        w, i, _ = busy.pop(conn)
-        try:
-          _, scores[i], err = conn.recv()
-          if err is not None:
-            self.errors, self.last_error = self.errors + 1, err
-          free.append(w)
-        except (EOFError, OSError):  # the worker died mid-call: score 0, replace it
-          self.crashes += 1
-          free.append(self._replace(w))
-      now = time.monotonic()
-      for conn, (w, i, t) in list(busy.items()):
-        if now - t >= self.timeout_s:
-          del busy[conn]
-          self.timeouts += 1
-          free.append(self._replace(w))
-    return scores
-
-  def _replace(self, w):
-    self._kill(w)
-    new = self._await_ready([self._spawn()])[0]
-    self._workers[self._workers.index(w)] = new
-    return new
-
-  def close(self):
-    for w in self._workers:
-      self._kill(w)
-    self._workers = []
-    if self._tmp:
-      shutil.rmtree(self._tmp, ignore_errors=True)
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    self.close()
 
 
 # ---------------------------------------------------------------------------------------------- curation
