@@ -1055,9 +1055,9 @@ class Task:
   ops: str = ""  # make_task_problems takes a non-empty subset of these ops,
   default_ops: str = ""  # these when ops=None,
   min_difficulty: int = 1  # and an int difficulty >= this
-  tokenizer_levels: tuple = ()  # build_task_tokenizer learns problems at these difficulties,
-  tokenizer_ops: Optional[str] = None  # with these ops (None: default_ops), and each character of
-  alphabet: str = ""
+  tokenizer_levels: tuple = ()  # build_task_tokenizer learns generated problems at these difficulties,
+  tokenizer_ops: Optional[str] = None  # with these ops (None: default_ops),
+  alphabet: str = ""  # and each of these characters on its own
 
 
 def _is_eval(prompt: str) -> bool:
