@@ -1045,9 +1045,8 @@ class VerifierPool:
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-  """One task, all in one place: an entry of TASKS, picked by name (train.py --task, rollout.py --eval_task, a
-  jsonl line's "task" field). Without `generate` it is jsonl-only (math, code); with it, generate must depend
-  on nothing but its arguments, so that a seed reproduces the problems."""
+  """One task, all in one place: an entry of TASKS, picked by name (--task, --eval_task, a jsonl line's "task").
+  No `generate`: jsonl-only (math, code); a generator depends on its arguments alone, so a seed reproduces it."""
   verify: Callable  # (problem, completion, limits, strict_math) -> 1.0/0.0; runs in the verifier pool's processes
   reference: Callable  # problem -> the SFT warm-start target (the caller appends eos), or None where there is none
   needs_tests: bool = False  # jsonl lines must carry a non-empty "tests" list
