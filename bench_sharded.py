@@ -215,7 +215,6 @@ def delta_bench(a):
   import numpy as np
   import optax
   import model
-  import param_server as ps
   import shards
   tmp = tempfile.mkdtemp(prefix="bench_delta_")
   srv, addrs = start_servers(tmp, 1)

@@ -33,6 +33,8 @@ Public API
   kl_penalty(logp, ref_logp, estimator) -> [B,T]
   overlong_shaping(lengths, max_len, buffer) -> penalty (<= 0, same shape as lengths)
   aggregate(x [B,T], mask [B,T], mode, max_tokens=None) -> scalar
+  ppo / gspo / cispo / reinforce (cfg, log_r, adv, logp, keep, w) -> (per-token loss, ratio, clip masks);
+      POLICY_LOSSES: name -> one of them
   LossConfig (frozen dataclass), ALGORITHMS: dict[str, LossConfig]
   policy_loss(cfg, logp, old_logp, advantages [B] | [B,T], mask, *, ref_logp=None, prox_logp=None, entropy=None)
       -> (loss scalar, metrics dict of jnp scalars)
@@ -47,7 +49,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "reinforce")
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce")
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -317,6 +318,56 @@ def aggregate(x, mask, mode, max_tokens=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Policy losses: one short function per algorithm family.
+
+# One short function per algorithm family: per-token loss of the importance ratio. Each takes the config, the
+# log-ratio log r = log pi_theta - log pi_base [B,T] (pi_base: prox_logp, else the behaviour mu), the fixed
+# advantages A [B,T], the differentiated log pi_theta [B,T], the tokens kept `keep` [B,T] and the IS weight w
+# [B,T]; it returns (per-token loss [B,T], ratio [B,T], {"clip_low" | "clip_high" | "dual": bool [B,T]} for the
+# metrics). policy_loss does the rest, the same for all: padding, IS, KL, aggregation, entropy, metrics. A new
+# algorithm: copy one, edit it, add it to POLICY_LOSSES and give it a preset in ALGORITHMS.
+
+
+def ppo(cfg, log_r, adv, logp, keep, w):
+  """PPO-clip (Schulman et al. 2017): -w min(r A, clip(r, 1-eps_low, 1+eps_high) A); with dual_clip_c = c and
+  A < 0 the objective is max(that, c A) (Ye et al. 2020, arXiv 1912.09729). eps_high > eps_low: DAPO clip-higher."""
+  ratio = jnp.exp(log_r)
+  lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
+  obj = jnp.minimum(ratio * adv, jnp.clip(ratio, lo, hi) * adv)
+  cut = dict(clip_low=(ratio < lo) & (adv < 0), clip_high=(ratio > hi) & (adv > 0))  # where the gradient is cut
+  if cfg.dual_clip_c is not None:
+    cut["dual"] = (adv < 0) & (ratio > cfg.dual_clip_c)
+    obj = jnp.where(adv < 0, jnp.maximum(obj, cfg.dual_clip_c * adv), obj)
+  return -w * obj, ratio, cut
+
+
+def gspo(cfg, log_r, adv, logp, keep, w):
+  """GSPO (Zheng et al. 2025, arXiv 2507.18071), token form: PPO's clip on s_bt = sg(s_b) pi_t / sg(pi_t) with
+  s_b = exp(mean_t log r_bt): numerically s_b at every token, gradient s_b A grad log pi_t, so with
+  agg="seq_mean_token_mean" it is exactly GSPO."""
+  sg = jax.lax.stop_gradient
+  log_s = jnp.sum(jnp.where(keep, log_r, 0), -1) / jnp.maximum(jnp.sum(keep, -1), 1)  # [B] length-normalised
+  return ppo(cfg, sg(log_s)[:, None] + logp - sg(logp), adv, logp, keep, w)
+
+
+def cispo(cfg, log_r, adv, logp, keep, w):
+  """CISPO (MiniMax-M1, arXiv 2506.13585): -w sg(clip(r, 1-cispo_eps_low, 1+cispo_eps_high)) A log pi: every
+  token keeps a gradient, the IS weight is clipped."""
+  ratio = jnp.exp(log_r)
+  lo, hi = 0.0 if cfg.cispo_eps_low is None else 1 - cfg.cispo_eps_low, 1 + cfg.cispo_eps_high
+  return -w * jax.lax.stop_gradient(jnp.clip(ratio, lo, hi)) * adv * logp, ratio, dict(clip_low=ratio < lo,
+                                                                                        clip_high=ratio > hi)
+
+
+def reinforce(cfg, log_r, adv, logp, keep, w):
+  """REINFORCE (Williams 1992; RLOO uses it on-policy): -w A log pi."""
+  return -w * adv * logp, jnp.exp(log_r), {}
+
+
+POLICY_LOSSES = dict(ppo=ppo, gspo=gspo, cispo=cispo, reinforce=reinforce)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Configuration and presets.
 
 
@@ -363,7 +414,7 @@ class LossConfig:
   def __post_init__(self):
     def bad(field, allowed):
       raise ValueError(f"LossConfig.{field} = {getattr(self, field)!r}, expected {allowed}")
-    choices = dict(policy_loss=POLICY_LOSSES, advantage=ADVANTAGE_ESTIMATORS + ("gae",), agg=AGG_MODES,
+    choices = dict(policy_loss=tuple(POLICY_LOSSES), advantage=ADVANTAGE_ESTIMATORS + ("gae",), agg=AGG_MODES,
                    kl_estimator=KL_ESTIMATORS, kl_mode=("loss", "reward"), tis_level=("token", "sequence"))
     for field, allowed in choices.items():
       if getattr(self, field) not in allowed:
@@ -443,15 +494,7 @@ def policy_loss(cfg, logp, old_logp, advantages, mask, *, ref_logp=None, prox_lo
   prox_logp  optional proximal policy (trainer log-probs at the start of the step, no gradient). Decoupled PPO
              (Hilton et al. 2021, arXiv 2110.00641): the ratio is r = pi_theta / pi_prox and the behaviour
              mismatch pi_prox / mu is handled by truncated IS. Without it r = pi_theta / mu.
-  Per-token losses (w = IS weight, 1 unless tis_cap; A = advantage):
-    ppo        -w min(r A, clip(r, 1-eps_low, 1+eps_high) A); with dual_clip_c = c and A < 0 the objective is
-               max(that, c A) (Ye et al. 2020, arXiv 1912.09729). eps_high > eps_low is DAPO clip-higher.
-    gspo       same clip on s_bt = sg(s_b) * pi_theta_t / sg(pi_theta_t) with s_b = exp(mean_t log r_bt), the
-               GSPO-token form (Zheng et al. 2025, arXiv 2507.18071): numerically s_b for every token, gradient
-               s_b A grad log pi_t, so with agg="seq_mean_token_mean" it is exactly GSPO.
-    cispo      -w sg(clip(r, 1-cispo_eps_low, 1+cispo_eps_high)) A log pi_theta (MiniMax-M1, arXiv 2506.13585):
-               every token keeps a gradient, the IS weight is clipped.
-    reinforce  -w A log pi_theta (Williams 1992; RLOO uses it on-policy).
+  The per-token loss is POLICY_LOSSES[cfg.policy_loss] (above). Around it, the same for every algorithm:
   Truncated IS (Espeholt et al. 2018, arXiv 1802.01561; Yao et al. 2025, "Your Efficient RL Framework Secretly
   Brings You Off-Policy RL Training"): token w_bt = min(pi_prox/mu, cap); sequence w_b = min(prod_t pi_prox/mu, cap)
   (computed in log space). Needs prox_logp; for one update per batch pass prox_logp=jax.lax.stop_gradient(logp).
@@ -510,31 +553,9 @@ def policy_loss(cfg, logp, old_logp, advantages, mask, *, ref_logp=None, prox_lo
       kl_to_go = jnp.flip(jnp.cumsum(jnp.flip(kl_fixed, -1), -1), -1)
       adv = jnp.where(valid, adv - cfg.kl_coef * kl_to_go, 0)
 
-  # Importance ratio (token or GSPO sequence level).
-  log_r = logp - base
-  if cfg.policy_loss == "gspo":
-    n_tok = jnp.maximum(jnp.sum(keep, -1), 1)
-    log_s = jnp.sum(jnp.where(keep, log_r, 0), -1) / n_tok  # [B] length-normalised sequence log-ratio
-    log_r = sg(log_s)[:, None] + logp - sg(logp)
-  ratio = jnp.exp(log_r)
-
-  lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
+  per_tok, ratio, cut = POLICY_LOSSES[cfg.policy_loss](cfg, logp - base, adv, logp, keep, w)
   zero = jnp.zeros((B, T), bool)
-  clip_low, clip_high, dual = zero, zero, zero
-  if cfg.policy_loss in ("ppo", "gspo"):
-    obj = jnp.minimum(ratio * adv, jnp.clip(ratio, lo, hi) * adv)
-    clip_low, clip_high = (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0)  # where the gradient is cut
-    if cfg.dual_clip_c is not None:
-      dual = (adv < 0) & (ratio > cfg.dual_clip_c)
-      obj = jnp.where(adv < 0, jnp.maximum(obj, cfg.dual_clip_c * adv), obj)
-    per_tok = -w * obj
-  elif cfg.policy_loss == "cispo":
-    c_lo = 0.0 if cfg.cispo_eps_low is None else 1 - cfg.cispo_eps_low
-    c_hi = 1 + cfg.cispo_eps_high
-    clip_low, clip_high = ratio < c_lo, ratio > c_hi  # where the IS weight is clipped
-    per_tok = -w * sg(jnp.clip(ratio, c_lo, c_hi)) * adv * logp
-  else:  # reinforce
-    per_tok = -w * adv * logp
+  clip_low, clip_high, dual = (cut.get(k, zero) for k in ("clip_low", "clip_high", "dual"))
 
   agg = lambda x: aggregate(x, keep, cfg.agg, cfg.max_tokens)
   pg_loss = agg(per_tok)
