@@ -193,6 +193,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import data  # noqa: E402
+import fileio  # noqa: E402
 import losses  # noqa: E402
 import model  # noqa: E402
 import shards  # noqa: E402
@@ -542,9 +543,7 @@ def write_flags_once(run_dir, name="flags.json"):
   path = os.path.join(run_dir, name)
   if not os.path.exists(path):
     vals = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
-    with open(path + ".tmp", "w") as f:
-      json.dump(vals, f, indent=1, sort_keys=True, default=str)
-    os.rename(path + ".tmp", path)
+    fileio.write_atomic(path, json.dumps(vals, indent=1, sort_keys=True, default=str))
 
 
 def parse_band(spec):
