@@ -361,23 +361,28 @@ def shard_cache(cache, mesh):
 
 # ----------------------------------------------------------------------------------------------------- Params
 
-def init_params(cfg, key, dtype=jnp.float32):
-  """Random params (HF-style init: N(0, 0.02) matrices, unit norms, zero biases).
+def init_params(cfg, key, dtype=jnp.float32, std=0.02, normal=None, zero_bias=True):
+  """Random params (HF-style init: N(0, 0.02) matrices, unit norms, zero biases); the one random init.
 
   For a sharded init: jax.jit(init_params, static_argnums=(0, 2), out_shardings=param_shardings(cfg, mesh)).
+  std: the matrices' std, applied as the N(0, 0.02) draw times std/0.02 (bitwise the 0.02 draw at the default).
+  normal(shape) -> fp32 N(0, 1) draws, called leaf by leaf in tree order, replaces jax.random (key unused): a
+  numpy draw skips the ~10 s of compile a jax.random init costs on a busy 2-core box (bench_decode).
+  zero_bias=False draws the QKV biases like matrices (so the bias path is exercised).
   """
   axes = param_axes(cfg)
   flat, treedef = jax.tree.flatten_with_path(axes, is_leaf=_is_leaf)
-  keys = jax.random.split(key, len(flat))
+  keys = jax.random.split(key, len(flat)) if normal is None else [None] * len(flat)
   leaves = []
   for (path, (shape, _)), k in zip(flat, keys):
     name = path[-1].key
     if "norm" in name:
       leaves.append(jnp.ones(shape, dtype))
-    elif name in ("bq", "bk", "bv"):
+    elif zero_bias and name in ("bq", "bk", "bv"):
       leaves.append(jnp.zeros(shape, dtype))
     else:
-      leaves.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+      x = jax.random.normal(k, shape, jnp.float32) if normal is None else normal(shape)
+      leaves.append(jnp.asarray(0.02 * x * (std / 0.02)).astype(dtype))
   return jax.tree.unflatten(treedef, leaves)
 
 
