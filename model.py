@@ -255,10 +255,10 @@ class Config:
 # Logical axis -> mesh axes. Anything not listed (layers, seq, head_dim, norm, act_embed) is replicated.
 # Activations use "act_embed" for D, so the FSDP axis shards the batch there and the weights' D here.
 LOGICAL_RULES = (
-    ("batch", ("data", "fsdp")),
+    ("batch", kernels.BATCH_AXES),  # the attention kernels' shard_map split: the same axes
     ("embed", ("fsdp",)),
-    ("heads", ("tensor",)),
-    ("kv_heads", ("tensor",)),
+    ("heads", (kernels.HEAD_AXIS,)),
+    ("kv_heads", (kernels.HEAD_AXIS,)),
     ("ffw", ("tensor",)),
     ("vocab", ("tensor",)),
 )
@@ -283,10 +283,7 @@ def logical_spec(axes, shape, mesh):
   assert len(axes) == len(shape), (axes, shape)
   sizes, rules, used, spec = _mesh_sizes(mesh), dict(LOGICAL_RULES), set(), []
   for name, dim in zip(axes, shape):
-    cand = [a for a in rules.get(name, ()) if a in sizes and a not in used]
-    # Drop axes from the end until the product divides the dim (e.g. batch 2 on data=2 x fsdp=4 -> data).
-    while cand and dim % math.prod(sizes[a] for a in cand):
-      cand.pop()
+    cand = kernels.fit_axes(dim, [a for a in rules.get(name, ()) if a not in used], sizes)
     cand = [a for a in cand if sizes[a] > 1]  # size-1 axes add nothing; keeps specs readable
     used.update(cand)
     spec.append(None if not cand else cand[0] if len(cand) == 1 else tuple(cand))
