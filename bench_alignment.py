@@ -60,6 +60,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+import data  # noqa: E402
 import losses  # noqa: E402
 import model  # noqa: E402
 import rollout  # noqa: E402
@@ -184,7 +185,7 @@ def trainer_logprobs(cfg, params, groups, *, dtype, mesh, temperature, max_new_t
   same batch in the same jit, and its metrics (mismatch_mean / mismatch_max, ratio stats) are returned too.
   Returns (logp [B,T], behaviour_logp [B,T], loss_mask [B,T], metrics dict of floats).
   """
-  batch, _, _ = train.rl_batch(groups, losses.ALGORITHMS["grpo"], 0, train.BUCKETS, max_new_tokens)
+  batch, _, _ = train.rl_batch(groups, losses.ALGORITHMS["grpo"], 0, data.BUCKETS, max_new_tokens)
   master = jax.tree.map(jnp.asarray, _host(params, jnp.float32))  # fp32 master weights, as in run_rl
   kw = dict(cfg=cfg, dtype=jnp.dtype(dtype).name, temperature=float(temperature), attn_impl=attn_impl)
   if mesh is None:

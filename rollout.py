@@ -141,7 +141,7 @@ class Engine:
   resume() of continued samples, run_chunk(params, version), rows() of the finished slots."""
 
   def __init__(self, cfg, sc: SamplingConfig, slots: int, max_prompt_len: int, chunk_steps: int = 8,
-               attn_impl="auto", prompt_buckets=(16, 32, 64, 128, 256, 512, 1024, 2048)):
+               attn_impl="auto", prompt_buckets=data.BUCKETS[:-1]):  # 16..2048
     self.cfg, self.sc, self.B, self.chunk_steps = cfg, sc, slots, chunk_steps
     self.M, self.max_prompt_len = sc.max_new_tokens, max_prompt_len
     # Prefill lengths: prompts up to max_prompt_len (the same buckets as before partial rollouts, so a fresh

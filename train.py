@@ -530,9 +530,9 @@ def seq_budget(cfg):
 
 
 def buckets_for(max_len):
-  """Padded batch lengths: the default power-of-two buckets, extended (x2) until max_len fits, so 8k-32k
-  sequences get a bucket (compiled shapes stay few: one per power of two)."""
-  b = list(BUCKETS)
+  """Padded batch lengths: data.BUCKETS, extended (x2) until max_len fits, so 8k-32k sequences get a bucket
+  (compiled shapes stay few: one per power of two)."""
+  b = list(data.BUCKETS)
   while b[-1] < max_len:
     b.append(b[-1] * 2)
   return tuple(b)
@@ -707,9 +707,6 @@ def run_sft():
 BATCH_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "behaviour_logp", "token_rewards",
               "advantages")
 PROMPT_FIELDS = ("prompt_id", "prompt", "answer", "task", "tests", "prompt_tokens")
-# Row lengths a batch pads to. 16 first: a built-in arithmetic row (bos, prompt, answer, eos) is <= 12 tokens, and
-# padding it to 16 rather than 32 halves the demo's SFT and RL step time.
-BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def broadcast_batch(batch):
