@@ -27,7 +27,7 @@ The model is a tiny random one (init std --init_std, so that its distributions a
 Prompts are random token ids; rewards are zeros (no verifier is involved in log-prob alignment).
 
 Public API (used by tests/test_alignment.py)
-  tiny_config(vocab=256) -> model.Config;   random_params(cfg, seed, init_std) -> fp32 params
+  tiny_config(vocab=256) -> model.Config (its params: model.init_params(cfg, key, std=init_std))
   make_items(n, vocab, seed, min_len=3, max_len=12) -> [(prompt_id, token list)]
   worker_rollouts(cfg, params, items, *, group_size, sc, dtype, mesh=None, attn_impl="ref", seed=0) -> groups
   replay_logprobs(cfg, params, groups, *, dtype, temperature) -> {"float32": groups, "bfloat16": groups}
@@ -75,12 +75,6 @@ def tiny_config(vocab=256):
   # N=8 q heads and V, F divisible by 8 so the 1x1x8 tensor mesh really splits heads, ffw and vocab.
   return model.Config(vocab_size=vocab, d_model=128, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, ffw_dim=256,
                       tie_embeddings=True, arch="Qwen2ForCausalLM", qkv_bias=True)
-
-
-def random_params(cfg, seed=0, init_std=0.02):
-  """model.init_params at std init_std: a random model at 0.02 has near-uniform next-token distributions, where
-  bf16 drift is unrepresentatively small; a larger std gives peaked logits like a trained model's."""
-  return model.init_params(cfg, jax.random.PRNGKey(seed), std=init_std)
 
 
 def make_items(n, vocab, seed=0, min_len=3, max_len=12):
@@ -331,7 +325,7 @@ def main(argv=None):
     cfg, params = model.load_hf_checkpoint(a.checkpoint, dtype=jnp.float32)
   else:
     cfg, params = tiny_config(), None
-    params = random_params(cfg, a.seed, a.init_std)
+    params = model.init_params(cfg, jax.random.PRNGKey(a.seed), std=a.init_std)
   t0 = time.time()
   configs = CONFIGS + (WORKER_TP_CONFIGS if a.worker_tp else ())
   rows = run(cfg, params, configs, n_prompts=a.prompts, group_size=a.group_size, max_new_tokens=a.max_new_tokens,

@@ -126,12 +126,11 @@ import fileio
 
 TASKS = ("arithmetic", "countdown", "math", "code")
 EVAL_BUCKET = 200  # of 1000 hash buckets: 20% of all possible built-in problems are held out
-# Row lengths a batch pads to (powers of two: few compiled shapes), the one list; train (extended by
-# buckets_for) and rollout.Engine's prompt buckets (up to 2048) are slices of it. 16 first: a built-in arithmetic
-# row (bos, prompt, answer, eos) is <= 12 tokens, and padding it to 16 rather than 32 halves the demo's SFT and RL
-# step time.
+# Row lengths a batch pads to (powers of two: few compiled shapes); train's (x2 past 4096: buckets_for), Engine's
+# prompt buckets (to 2048) and make_batch's default (from 32) are slices of it. 16 first: a built-in arithmetic row
+# (bos, prompt, answer, eos) is <= 12 tokens; padding it to 16, not 32, halves the demo's SFT and RL step time.
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-DEFAULT_BUCKETS = BUCKETS[1:]  # make_batch's default when none is passed: from 32, as it always was
+DEFAULT_BUCKETS = BUCKETS[1:]
 
 
 # ----------------------------------------------------------------------------------------------- problems

@@ -1,10 +1,6 @@
-"""Atomic file writes (temp file + rename), written once for every writer of the project (data, train,
-param_server): a reader, or a restart after a crash, sees the old file or the whole new one, never a torn one.
-
-write_atomic(path, data, fsync=False, mode=0o666): data is str (UTF-8), bytes, or an iterable of either (e.g.
-chunks of a large buffer). fsync=True makes the write durable before it returns: the temp file is fsync'ed
-before the rename and the directory after it (without the latter a power loss can undo the rename).
-"""
+"""Atomic file writes (temp file + rename) for every writer (data, train, param_server): a reader, or a restart
+after a crash, sees the old file or the whole new one, never a torn one."""
+import contextlib
 import os
 
 
@@ -17,9 +13,9 @@ def fsync_dir(path):
 
 
 def write_atomic(path, data, fsync=False, mode=0o666, tmp=None):
-  """Writes data to `tmp` (default path + ".tmp"), then renames it onto path; on any failure before the rename
-  the temp file is removed (it must not keep holding disk space) and the error raised, path left as it was.
-  mode: the new file's permissions before the umask (0o666 = open()'s; a secret wants 0o600)."""
+  """Writes data (str as UTF-8, bytes, or an iterable of either) to tmp (default path.tmp), renamed onto path; a
+  failure before the rename removes tmp (not to hold disk space) and raises. fsync=True: fsync the file before the
+  rename, its directory after (else a power loss can undo it). mode: before the umask (0o666 is open()'s)."""
   tmp = tmp or f"{path}.tmp"
   chunks = [data] if isinstance(data, (str, bytes, bytearray, memoryview)) else data
   try:
@@ -31,10 +27,8 @@ def write_atomic(path, data, fsync=False, mode=0o666, tmp=None):
         os.fsync(f.fileno())
     os.replace(tmp, path)
   except BaseException:
-    try:
+    with contextlib.suppress(OSError):
       os.remove(tmp)
-    except OSError:
-      pass
     raise
   if fsync:
     fsync_dir(os.path.dirname(path))

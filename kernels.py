@@ -496,9 +496,8 @@ def _resolve_mesh(mesh):
 
 
 def fit_axes(dim, axes, sizes):
-  """The mesh fallback rule, shared with model.logical_spec: of the mesh axes `axes` present in `sizes` (name ->
-  size), the longest prefix whose size product divides dim (axes dropped from the end; the dim is replicated
-  over the dropped ones), e.g. batch 2 on data=2 x fsdp=4 -> ["data"]."""
+  """The mesh fallback rule (model.logical_spec's too): the longest prefix of `axes` in the mesh (sizes: name ->
+  size) whose product divides dim; the dim is replicated over the rest (batch 2 on data=2 x fsdp=4 -> ["data"])."""
   cand = [a for a in axes if a in sizes]
   while cand and dim % math.prod(sizes[a] for a in cand):
     cand.pop()
@@ -506,9 +505,8 @@ def fit_axes(dim, axes, sizes):
 
 
 def _mesh_axes(mesh, B, *heads):
-  """(batch axes, head axis) to split over, with fit_axes: batch over what of ("data", "fsdp") B divides by;
-  heads over "tensor" only if every head count divides by it, else they are replicated (each tensor shard then
-  computes all heads)."""
+  """(batch axes, head axis) to split over, by fit_axes; heads over "tensor" only if every head count divides by
+  it, else they are replicated (each tensor shard then computes all heads)."""
   sizes = dict(mesh.shape)
   head = HEAD_AXIS if all(fit_axes(h, (HEAD_AXIS,), sizes) for h in heads) else None
   return (tuple(fit_axes(B, BATCH_AXES, sizes)) or None), head

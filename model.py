@@ -274,14 +274,10 @@ def make_mesh(data, fsdp, tensor, devices=None):
                        axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices[:n])
 
 
-def _mesh_sizes(mesh):
-  return dict(zip(mesh.axis_names, mesh.axis_sizes))
-
-
 def logical_spec(axes, shape, mesh):
   """PartitionSpec for an array with logical `axes`, applying the divisibility/use-once fallback rule."""
   assert len(axes) == len(shape), (axes, shape)
-  sizes, rules, used, spec = _mesh_sizes(mesh), dict(LOGICAL_RULES), set(), []
+  sizes, rules, used, spec = dict(mesh.shape), dict(LOGICAL_RULES), set(), []
   for name, dim in zip(axes, shape):
     cand = kernels.fit_axes(dim, [a for a in rules.get(name, ()) if a not in used], sizes)
     cand = [a for a in cand if sizes[a] > 1]  # size-1 axes add nothing; keeps specs readable
@@ -359,14 +355,10 @@ def shard_cache(cache, mesh):
 # ----------------------------------------------------------------------------------------------------- Params
 
 def init_params(cfg, key, dtype=jnp.float32, std=0.02, normal=None, zero_bias=True):
-  """Random params (HF-style init: N(0, 0.02) matrices, unit norms, zero biases); the one random init.
-
-  For a sharded init: jax.jit(init_params, static_argnums=(0, 2), out_shardings=param_shardings(cfg, mesh)).
-  std: the matrices' std, applied as the N(0, 0.02) draw times std/0.02 (bitwise the 0.02 draw at the default).
-  normal(shape) -> fp32 N(0, 1) draws, called leaf by leaf in tree order, replaces jax.random (key unused): a
-  numpy draw skips the ~10 s of compile a jax.random init costs on a busy 2-core box (bench_decode).
-  zero_bias=False draws the QKV biases like matrices (so the bias path is exercised).
-  """
+  """Random params (HF-style init: N(0, 0.02) matrices, unit norms, zero biases); the one random init. Sharded:
+  jax.jit(init_params, static_argnums=(0, 2), out_shardings=param_shardings(cfg, mesh)). std: the N(0, 0.02) draw
+  times std/0.02 (bitwise that draw at the default). normal(shape) -> fp32 N(0, 1) draws in tree order, instead of
+  jax.random (key unused; a numpy draw skips ~10 s of compile on 2 cores). zero_bias=False: QKV biases drawn too."""
   axes = param_axes(cfg)
   flat, treedef = jax.tree.flatten_with_path(axes, is_leaf=_is_leaf)
   keys = jax.random.split(key, len(flat)) if normal is None else [None] * len(flat)
