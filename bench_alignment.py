@@ -109,8 +109,9 @@ def worker_rollouts(cfg, params, items, *, group_size, sc, dtype, mesh=None, att
       wp = model.shard_params(wp, cfg, mesh)
       eng.reset(dtype)
       res = rollout.generate_groups(eng, wp, items, group_size, seed)
-  return [dict(prompt_id=pid, prompt_tokens=np.asarray(toks, np.int32), completions=list(res[pid][0]),
-               logprobs=list(res[pid][1]), rewards=np.zeros(group_size, np.float32)) for pid, toks in items]
+  return [data.Rollout(id=pid, version=0, worker="bench", problem=data.Problem(pid, "", ""),
+                       prompt_tokens=np.asarray(toks, np.int32), completions=list(res[pid][0]),
+                       logprobs=list(res[pid][1]), rewards=np.zeros(group_size, np.float32)) for pid, toks in items]
 
 
 def replay_logprobs(cfg, params, groups, *, dtype, temperature):
@@ -119,7 +120,7 @@ def replay_logprobs(cfg, params, groups, *, dtype, temperature):
   log_softmax(logits / T) computed once in fp32 (what rollout.sampling_logprobs does with temperature-only
   sampling) and once in bf16 (an inference stack that hands back bf16 logits).
   Returns {"float32": groups, "bfloat16": groups}: copies of `groups` with `logprobs` replaced."""
-  rows = [(g["prompt_tokens"], c) for g in groups for c in g["completions"]]
+  rows = [(g.prompt_tokens, c) for g in groups for c in g.completions]
   R, Tp, M = len(rows), max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
   prompts, comps = np.zeros((R, Tp), np.int32), np.zeros((R, M), np.int32)
   for i, (p, c) in enumerate(rows):
@@ -148,8 +149,8 @@ def replay_logprobs(cfg, params, groups, *, dtype, temperature):
   for name, lp in zip(("float32", "bfloat16"), run(wp, prompts, lengths, comps)):
     lp, i, res[name] = np.asarray(lp), 0, []
     for g in groups:
-      res[name].append(dict(g, logprobs=[lp[i + j, :len(c)] for j, c in enumerate(g["completions"])]))
-      i += len(g["completions"])
+      res[name].append(dataclasses.replace(g, logprobs=[lp[i + j, :len(c)] for j, c in enumerate(g.completions)]))
+      i += len(g.completions)
   return res
 
 
@@ -272,7 +273,7 @@ def run(cfg, params, configs=CONFIGS, *, n_prompts=16, group_size=4, max_new_tok
     if w["logits"] == "bf16":
       rep = replay_logprobs(cfg, params, groups, dtype=w["dtype"], temperature=w["T"])
       d = max(float(np.abs(a - b).max()) for g, h in zip(groups, rep["float32"])
-              for a, b in zip(g["logprobs"], h["logprobs"]))
+              for a, b in zip(g.logprobs, h.logprobs))
       note["replay_vs_engine_max"] = d  # how faithful the replay is: its fp32 log-probs vs the engine's
       log(f"  replay (fp32 log-softmax) vs engine: max |dlogp| = {d:.2e}")
       groups = rep["bfloat16"]

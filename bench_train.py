@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import bench_decode  # random_params, the shape flags
+import data
 import losses
 import model
 import train  # defines absl flags at import; nothing here parses or reads them
@@ -153,7 +154,8 @@ def synthetic_groups(a, rng):
   for _ in range(a.batch // a.group_size):
     rewards = rng.integers(0, 2, a.group_size).astype(np.float32)
     rewards[0] = 1.0 - rewards[-1]  # non-zero group variance, so GRPO advantages are not all zero
-    groups.append(dict(
+    groups.append(data.Rollout(
+        id=f"s{len(groups)}", version=0, worker="bench", problem=data.Problem(f"p{len(groups)}", "", ""),
         prompt_tokens=rng.integers(0, V, half).astype(np.int32),
         completions=[rng.integers(0, V, half).astype(np.int32) for _ in range(a.group_size)],
         # Near-uniform random-init policy: behaviour log-probs of about -log V keep the PPO ratio near 1.

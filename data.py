@@ -11,27 +11,27 @@ Design choices
   (encode/decode round-trips exactly), ids pad=0 unk=1 bos=2 eos=3.
 - Prompt template applied in exactly one place: `render_prompt` ("plain" for built-ins, "chatml" for
   Qwen-style chat checkpoints).
-- Built-in tasks are generated on the fly, deterministically from a seed. A problem belongs to the eval split
-  iff sha256(prompt) falls in a fixed 20% bucket, so held-out problems can never appear in training, whatever
-  seeds or sizes are used.
+- Tasks: each is one `Task` in the plain dict `TASKS` (verifier, SFT reference, generator with its ops and
+  difficulty bounds, tokenizer settings), picked by name. `verify(problem, completion)` -> 1.0/0.0 by the verifier
+  of problem.task. Generation is deterministic in a seed; a problem is in the eval split iff sha256(prompt) falls
+  in a fixed 20% bucket, so held-out problems never appear in training, whatever seeds or sizes are used.
     arithmetic  prompt "12+345="         completion "357"      (then eos). difficulty = max digits per
                 operand (each operand draws its digit count uniformly in 1..difficulty); ops from `ops`
-                (default "+-"; "*" allowed). Answers may be negative ("3-15=" -> "-12").
+                (default "+-"; "*" allowed). Answers may be negative ("3-15=" -> "-12"). Reward: the
+                canonical integer equal to the answer, surrounding whitespace tolerated.
     countdown   prompt "3 5 7 -> 22:"    completion "3*5+7"    (then eos). difficulty = how many numbers
                 (>= 2), each in 1..max_number; the target is built from a random expression over all of them
                 with `ops` (default "+-*"), so it is always reachable. The verifier accepts any expression of
                 non-negative integer literals, + - * / and parentheses that uses each given number AT MOST
                 once (classic countdown) and equals the target exactly (Fraction arithmetic, no eval);
                 an optional trailing "=<target>" is allowed.
-- Verifiers return 1.0/0.0. `verify(problem, completion)` dispatches on `problem.task`:
-    arithmetic  canonical integer equal to the answer, surrounding whitespace tolerated;
-    countdown   as above;
-    math        math-verify on `extract_answer(completion, strict)` (`math_verify_equal`); old: `math_answer_equal`: last \\boxed{}/\\fbox{}, else the last
-                "answer is/answer:" line, else the last number of the last line; integers, decimals,
-                fractions a/b, \\frac{a}{b} (\\dfrac, \\tfrac, \\frac12), negatives, thousands separators
-                ("1,234" only with groups of exactly 3 digits), "x = 5"; numbers compare exactly as Fractions
-                (0.5 == \\frac{1}{2}, 0.333 != 1/3), anything else by whitespace-free string equality;
-    code        `run_code`: the last ```python fenced block (or the whole completion) against the tests.
+    math        (jsonl) math-verify on `extract_answer(completion, strict)` (`math_verify_equal`); old:
+                `math_answer_equal`: last \\boxed{}/\\fbox{}, else the last "answer is/answer:" line, else the
+                last number of the last line; integers, decimals, fractions a/b, \\frac{a}{b} (\\dfrac, \\tfrac,
+                \\frac12), negatives, thousands separators ("1,234" only with groups of exactly 3 digits),
+                "x = 5"; numbers compare exactly as Fractions (0.5 == \\frac{1}{2}, 0.333 != 1/3), anything else
+                by whitespace-free string equality. SFT reference "\\boxed{answer}".
+    code        (jsonl) `run_code`: the last ```python fenced block (or the whole completion) against the tests.
 - Code sandbox (`run_code`): a fresh `python -I -S` child (no env vars, no site-packages, no .pth processing) in
   its own session and temp dir, minimal environment (no proxies). Its spec (code, test inputs or asserts, the
   nonce) arrives on a pipe and fd 0 is replaced by /dev/null before candidate code runs, so the spec cannot be
@@ -74,7 +74,8 @@ Design choices
 
 Public API
   Problem(id, prompt, answer, task="math", tests=None)            frozen; tests: tuple of str | (stdin, stdout)
-  render_prompt(problem, template="plain", system=None) -> str;  reference_completion(problem) -> str (SFT target)
+  Task(verify, reference, ...); TASKS: {name: Task};  reference_completion(problem) -> str (SFT target)
+  render_prompt(problem, template="plain", system=None) -> str
   load_jsonl(path) -> list[Problem];  write_jsonl(path, problems, pass_rates=None)
   split(problems, held_out, seed=0) -> (train, held_out)          held_out: fraction in (0,1) or count
   PromptStream(problems, seed=0, shuffle=True): next(), take(n), state_dict(), load_state_dict(d)
@@ -124,7 +125,6 @@ import numpy as np
 
 import fileio
 
-TASKS = ("arithmetic", "countdown", "math", "code")
 EVAL_BUCKET = 200  # of 1000 hash buckets: 20% of all possible built-in problems are held out
 # Row lengths a batch pads to (powers of two: few compiled shapes); train's (x2 past 4096: buckets_for), Engine's
 # prompt buckets (to 2048) and make_batch's default (from 32) are slices of it. 16 first: a built-in arithmetic row
@@ -149,18 +149,6 @@ class Problem:
     # Tests that travelled through JSON arrive as lists: store tuples so the problem stays hashable.
     if self.tests is not None:
       object.__setattr__(self, "tests", tuple(t if isinstance(t, str) else tuple(t) for t in self.tests))
-
-
-def reference_completion(problem: Problem) -> str:
-  """Supervised target text for warm-starts (the caller appends eos): the answer itself for built-in tasks,
-  "\\boxed{answer}" for math, the reference program (the answer field) for code."""
-  if problem.task in ("arithmetic", "countdown"):
-    return problem.answer
-  if problem.task == "math":
-    return f"\\boxed{{{problem.answer}}}"
-  if problem.task == "code" and problem.answer:
-    return problem.answer
-  raise ValueError(f"reference_completion: problem {problem.id!r} (task {problem.task!r}) has no reference answer")
 
 
 def render_prompt(problem: Problem, template: str = "plain", system: Optional[str] = None,
@@ -326,10 +314,10 @@ def _problem_from_dict(d, where, shape="auto", default_id=None) -> Problem:
     raise ValueError(f"{where}: field 'id' must be a string or int, got {pid!r:.80}")
   tests = _parse_tests(d["tests"], where) if d.get("tests") is not None else None
   task = d.get("task", "code" if tests else "math")
-  if task not in TASKS:
-    raise ValueError(f"{where}: field 'task' must be one of {TASKS}, got {task!r:.80}")
-  if task == "code" and not tests:
-    raise ValueError(f"{where}: task 'code' needs a non-empty 'tests' list")
+  if not isinstance(task, str) or task not in TASKS:
+    raise ValueError(f"{where}: field 'task' must be one of {tuple(TASKS)}, got {task!r:.80}")
+  if TASKS[task].needs_tests and not tests:
+    raise ValueError(f"{where}: task {task!r} needs a non-empty 'tests' list")
   return Problem(str(pid), prompt, str(answer), task, tests, system, where)
 
 
@@ -475,83 +463,6 @@ class PromptStream:
     self._order = self._permutation(self.epoch)
 
 
-# ------------------------------------------------------------------------------------------ built-in tasks
-
-def _is_eval(prompt: str) -> bool:
-  return int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) % 1000 < EVAL_BUCKET
-
-
-def _rand_operand(rng, digits):
-  nd = rng.randint(1, digits)  # digit count first, so short operands are not swamped by long ones
-  return rng.randint(0 if nd == 1 else 10 ** (nd - 1), 10 ** nd - 1)
-
-
-def _arithmetic(rng, difficulty, ops, max_number):
-  a, b, op = _rand_operand(rng, difficulty), _rand_operand(rng, difficulty), rng.choice(ops)
-  value = a + b if op == "+" else a - b if op == "-" else a * b
-  return f"{a}{op}{b}=", str(value)
-
-
-_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
-
-
-def _combine(x, y, op):
-  """Combines (value, expr, precedence) nodes, adding only the parentheses the grammar needs."""
-  (va, ea, pa), (vb, eb, pb) = x, y
-  if op == "/" and vb == 0:
-    return None
-  value = va + vb if op == "+" else va - vb if op == "-" else va * vb if op == "*" else va / vb
-  left = f"({ea})" if pa < _PREC[op] else ea
-  right = f"({eb})" if pb < _PREC[op] or (op in "-/" and pb == _PREC[op]) else eb
-  return value, f"{left}{op}{right}", _PREC[op]
-
-
-def _countdown(rng, difficulty, ops, max_number):
-  nums = [rng.randint(1, max_number) for _ in range(difficulty)]
-  for _ in range(100):
-    nodes = [(Fraction(v), str(v), 3) for v in nums]
-    while len(nodes) > 1:  # combine two random nodes until one expression over all numbers remains
-      i, j = rng.sample(range(len(nodes)), 2)
-      node = _combine(nodes[i], nodes[j], rng.choice(ops))
-      if node is None:
-        break
-      nodes = [n for k, n in enumerate(nodes) if k not in (i, j)] + [node]
-    if len(nodes) == 1 and nodes[0][0].denominator == 1 and 0 < nodes[0][0] <= 10 * max_number ** 2:
-      return f"{' '.join(map(str, nums))} -> {nodes[0][0]}:", nodes[0][1]
-  return None
-
-
-def make_task_problems(task: str, n: int, difficulty: int = 2, seed: int = 0, split: str = "train",
-                       ops: Optional[str] = None, max_number: int = 10) -> list:
-  """n distinct generated problems of `task` in the given split (deterministic in all arguments)."""
-  gens = {"arithmetic": (_arithmetic, "+-", 1), "countdown": (_countdown, "+-*", 2)}
-  if task not in gens:
-    raise ValueError(f"make_task_problems: task must be 'arithmetic' or 'countdown', got {task!r}")
-  gen, default_ops, min_difficulty = gens[task]
-  ops = default_ops if ops is None else ops
-  if split not in ("train", "eval"):
-    raise ValueError(f"make_task_problems: split must be 'train' or 'eval', got {split!r}")
-  if not isinstance(difficulty, int) or difficulty < min_difficulty:
-    raise ValueError(f"make_task_problems: {task} difficulty must be an int >= {min_difficulty}, got {difficulty!r}")
-  if not ops or set(ops) - set("+-*/") or (task == "arithmetic" and "/" in ops):
-    raise ValueError(f"make_task_problems: bad ops {ops!r} for {task}")
-  rng = random.Random(f"{task}|{difficulty}|{ops}|{max_number}|{seed}|{split}")
-  want_eval, out, seen = split == "eval", [], set()
-  for _ in range(50 * n + 1000):
-    if len(out) == n:
-      break
-    made = gen(rng, difficulty, ops, max_number)
-    if made is None or made[0] in seen or _is_eval(made[0]) != want_eval:
-      continue
-    seen.add(made[0])
-    pid = f"{task}-{hashlib.sha256(made[0].encode()).hexdigest()[:12]}"
-    out.append(Problem(pid, made[0], made[1], task))
-  if len(out) < n:
-    raise ValueError(f"make_task_problems: only {len(out)} distinct {split} problems found for {task} "
-                     f"difficulty={difficulty} ops={ops!r}; ask for fewer or raise the difficulty")
-  return out
-
-
 # ---------------------------------------------------------------------------------------------- tokenizer
 
 class Tokenizer:
@@ -670,58 +581,17 @@ def build_task_tokenizer(out_dir, task: str = "arithmetic", seed: int = 0, vocab
   path = os.path.join(str(out_dir), f"tokenizer-{task}.model")
   if os.path.exists(path):
     return path
-  levels = {"arithmetic": (2, 3, 4), "countdown": (2, 3, 4)}
-  if task not in levels:
-    raise ValueError(f"build_task_tokenizer: task must be 'arithmetic' or 'countdown', got {task!r}")
-  ops = "+-*" if task == "arithmetic" else None
-  texts = list("0123456789+-*/()=:> ")  # every character of both tasks, one per sentence (no junk merges)
-  for d in levels[task]:
-    for p in make_task_problems(task, 150, difficulty=d, seed=seed, ops=ops):
+  t = TASKS.get(task)
+  if t is None or not t.tokenizer_levels:
+    raise ValueError(f"build_task_tokenizer: task must be {_task_names(lambda t: t.tokenizer_levels)}, got {task!r}")
+  texts = list(t.alphabet)  # one sentence per character, so each is a piece of its own (no junk merges)
+  for d in t.tokenizer_levels:
+    for p in make_task_problems(task, 150, difficulty=d, seed=seed, ops=t.tokenizer_ops):
       texts += [p.prompt, p.answer]
   return train_tokenizer(texts, path, vocab_size=vocab_size, byte_fallback=False)
 
 
 # ---------------------------------------------------------------------------------------------- verifiers
-
-def _verify_arithmetic(answer: str, completion: str) -> float:
-  s = completion.strip()
-  return float(re.fullmatch(r"-?\d+", s) is not None and str(int(s)) == s and int(s) == int(answer))
-
-
-def _countdown_value(node, pool):
-  """Fraction value of an ast node made only of int literals and + - * /; uses numbers from `pool`."""
-  if isinstance(node, ast.Constant) and type(node.value) is int:
-    if pool.get(node.value, 0) == 0:
-      raise ValueError("number not available")
-    pool[node.value] -= 1
-    return Fraction(node.value)
-  if isinstance(node, ast.BinOp) and type(node.op) in (ast.Add, ast.Sub, ast.Mult, ast.Div):
-    a, b = _countdown_value(node.left, pool), _countdown_value(node.right, pool)
-    op = type(node.op)
-    return a + b if op is ast.Add else a - b if op is ast.Sub else a * b if op is ast.Mult else a / b
-  raise ValueError(f"disallowed syntax {type(node).__name__}")
-
-
-def _verify_countdown(prompt: str, completion: str) -> float:
-  m = re.fullmatch(r"([\d ]+) -> (\d+):", prompt)
-  if not m:
-    raise ValueError(f"countdown prompt {prompt!r} is not in the built-in format 'N N N -> TARGET:'")
-  numbers, target = [int(x) for x in m.group(1).split()], int(m.group(2))
-  expr = completion.strip()
-  if "=" in expr:  # "3*5+7=22" is fine when the stated result is the target
-    expr, _, stated = expr.partition("=")
-    if stated.strip() != str(target):
-      return 0.0
-  if not expr or len(expr) > 200 or re.search(r"[^\d+\-*/() ]", expr):
-    return 0.0
-  pool = {}
-  for v in numbers:
-    pool[v] = pool.get(v, 0) + 1
-  try:
-    return float(_countdown_value(ast.parse(expr, mode="eval").body, pool) == target)
-  except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
-    return 0.0
-
 
 def _last_braced(text, start):
   """Content of the {...} group opening at text[start] (balanced), or None."""
@@ -1056,19 +926,6 @@ def run_code(code: str, tests, limits: SandboxLimits = SandboxLimits()) -> CodeR
     return CodeResult(passed, reason, stderr, lines[0] if lines else "")
 
 
-def verify(problem: Problem, completion: str, limits: SandboxLimits = SandboxLimits(), strict_math: bool = True) -> float:
-  """Reward in {0.0, 1.0} for `completion` (the decoded text after the prompt, eos already stripped)."""
-  if problem.task == "arithmetic":
-    return _verify_arithmetic(problem.answer, completion)
-  if problem.task == "countdown":
-    return _verify_countdown(problem.prompt, completion)
-  if problem.task == "math":  # math-verify on the extracted answer; strict: only a \\boxed{} answer counts
-    return float(math_verify_equal(extract_answer(completion, strict=strict_math), problem.answer))
-  if problem.task == "code":
-    return float(run_code(_extract_code(completion), problem.tests, limits).passed)
-  raise ValueError(f"verify: problem {problem.id!r} has unknown task {problem.task!r}")
-
-
 def _pool_worker(conn, limits, tmp_dir, strict_math=True):
   # Runs in a spawned process: scores jobs until the pipe closes. Exceptions score 0 and are reported.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -1186,6 +1043,176 @@ class VerifierPool:
     self.close()
 
 
+# ------------------------------------------------------------------------------------------------- tasks
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """One task, all in one place: an entry of TASKS, picked by name (--task, --eval_task, a jsonl line's "task").
+  No `generate`: jsonl-only (math, code); a generator depends on its arguments alone, so a seed reproduces it."""
+  verify: Callable  # (problem, completion, limits, strict_math) -> 1.0/0.0; runs in the verifier pool's processes
+  reference: Callable  # problem -> the SFT warm-start target (the caller appends eos), or None where there is none
+  needs_tests: bool = False  # jsonl lines must carry a non-empty "tests" list
+  generate: Optional[Callable] = None  # (rng, difficulty, ops, max_number) -> (prompt, answer), None: a failed draw
+  ops: str = ""  # make_task_problems takes a non-empty subset of these ops,
+  default_ops: str = ""  # these when ops=None,
+  min_difficulty: int = 1  # and an int difficulty >= this
+  tokenizer_levels: tuple = ()  # build_task_tokenizer learns generated problems at these difficulties,
+  tokenizer_ops: Optional[str] = None  # with these ops (None: default_ops),
+  alphabet: str = ""  # and each of these characters on its own
+
+
+def _is_eval(prompt: str) -> bool:
+  return int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) % 1000 < EVAL_BUCKET
+
+
+def _rand_operand(rng, digits):
+  nd = rng.randint(1, digits)  # digit count first, so short operands are not swamped by long ones
+  return rng.randint(0 if nd == 1 else 10 ** (nd - 1), 10 ** nd - 1)
+
+
+def _arithmetic(rng, difficulty, ops, max_number):
+  a, b, op = _rand_operand(rng, difficulty), _rand_operand(rng, difficulty), rng.choice(ops)
+  value = a + b if op == "+" else a - b if op == "-" else a * b
+  return f"{a}{op}{b}=", str(value)
+
+
+def _verify_arithmetic(problem, completion, *_) -> float:
+  s = completion.strip()
+  return float(re.fullmatch(r"-?\d+", s) is not None and str(int(s)) == s and int(s) == int(problem.answer))
+
+
+_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+
+
+def _combine(x, y, op):
+  """Combines (value, expr, precedence) nodes, adding only the parentheses the grammar needs."""
+  (va, ea, pa), (vb, eb, pb) = x, y
+  if op == "/" and vb == 0:
+    return None
+  value = va + vb if op == "+" else va - vb if op == "-" else va * vb if op == "*" else va / vb
+  left = f"({ea})" if pa < _PREC[op] else ea
+  right = f"({eb})" if pb < _PREC[op] or (op in "-/" and pb == _PREC[op]) else eb
+  return value, f"{left}{op}{right}", _PREC[op]
+
+
+def _countdown(rng, difficulty, ops, max_number):
+  nums = [rng.randint(1, max_number) for _ in range(difficulty)]
+  for _ in range(100):
+    nodes = [(Fraction(v), str(v), 3) for v in nums]
+    while len(nodes) > 1:  # combine two random nodes until one expression over all numbers remains
+      i, j = rng.sample(range(len(nodes)), 2)
+      node = _combine(nodes[i], nodes[j], rng.choice(ops))
+      if node is None:
+        break
+      nodes = [n for k, n in enumerate(nodes) if k not in (i, j)] + [node]
+    if len(nodes) == 1 and nodes[0][0].denominator == 1 and 0 < nodes[0][0] <= 10 * max_number ** 2:
+      return f"{' '.join(map(str, nums))} -> {nodes[0][0]}:", nodes[0][1]
+  return None
+
+
+def _countdown_value(node, pool):
+  """Fraction value of an ast node made only of int literals and + - * /; uses numbers from `pool`."""
+  if isinstance(node, ast.Constant) and type(node.value) is int:
+    if pool.get(node.value, 0) == 0:
+      raise ValueError("number not available")
+    pool[node.value] -= 1
+    return Fraction(node.value)
+  if isinstance(node, ast.BinOp) and type(node.op) in (ast.Add, ast.Sub, ast.Mult, ast.Div):
+    a, b = _countdown_value(node.left, pool), _countdown_value(node.right, pool)
+    op = type(node.op)
+    return a + b if op is ast.Add else a - b if op is ast.Sub else a * b if op is ast.Mult else a / b
+  raise ValueError(f"disallowed syntax {type(node).__name__}")
+
+
+def _verify_countdown(problem, completion, *_) -> float:
+  m = re.fullmatch(r"([\d ]+) -> (\d+):", problem.prompt)
+  if not m:
+    raise ValueError(f"countdown prompt {problem.prompt!r} is not in the built-in format 'N N N -> TARGET:'")
+  numbers, target = [int(x) for x in m.group(1).split()], int(m.group(2))
+  expr = completion.strip()
+  if "=" in expr:  # "3*5+7=22" is fine when the stated result is the target
+    expr, _, stated = expr.partition("=")
+    if stated.strip() != str(target):
+      return 0.0
+  if not expr or len(expr) > 200 or re.search(r"[^\d+\-*/() ]", expr):
+    return 0.0
+  pool = {}
+  for v in numbers:
+    pool[v] = pool.get(v, 0) + 1
+  try:
+    return float(_countdown_value(ast.parse(expr, mode="eval").body, pool) == target)
+  except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
+    return 0.0
+
+
+_DIGITS_AND_OPS = "0123456789+-*/()=:> "  # every character arithmetic and countdown write
+
+# The tasks: add yours here (see Task), then train with --task=NAME and evaluate with --eval_task=NAME.
+TASKS = {
+    "arithmetic": Task(_verify_arithmetic, lambda p: p.answer, generate=_arithmetic, ops="+-*", default_ops="+-",
+                       tokenizer_levels=(2, 3, 4), tokenizer_ops="+-*", alphabet=_DIGITS_AND_OPS),
+    "countdown": Task(_verify_countdown, lambda p: p.answer, generate=_countdown, ops="+-*/", default_ops="+-*",
+                      min_difficulty=2, tokenizer_levels=(2, 3, 4), alphabet=_DIGITS_AND_OPS),
+    # math: strict_math counts only a \\boxed{} answer; code: the answer field is a reference program.
+    "math": Task(lambda p, c, limits, strict_math: float(math_verify_equal(extract_answer(c, strict=strict_math), p.answer)),
+                 lambda p: f"\\boxed{{{p.answer}}}"),
+    "code": Task(lambda p, c, limits, strict_math: float(run_code(_extract_code(c), p.tests, limits).passed),
+                 lambda p: p.answer or None, needs_tests=True),
+}
+
+
+def _task_names(has) -> str:
+  """The tasks for which has(task) holds, as "'a' or 'b'" for error messages."""
+  return " or ".join(repr(name) for name, t in TASKS.items() if has(t))
+
+
+def make_task_problems(task: str, n: int, difficulty: int = 2, seed: int = 0, split: str = "train",
+                       ops: Optional[str] = None, max_number: int = 10) -> list:
+  """n distinct generated problems of `task` in the given split (deterministic in all arguments)."""
+  t = TASKS.get(task)
+  if t is None or t.generate is None:
+    raise ValueError(f"make_task_problems: task must be {_task_names(lambda t: t.generate)}, got {task!r}")
+  ops = t.default_ops if ops is None else ops
+  if split not in ("train", "eval"):
+    raise ValueError(f"make_task_problems: split must be 'train' or 'eval', got {split!r}")
+  if not isinstance(difficulty, int) or difficulty < t.min_difficulty:
+    raise ValueError(f"make_task_problems: {task} difficulty must be an int >= {t.min_difficulty}, got {difficulty!r}")
+  if not ops or set(ops) - set(t.ops):
+    raise ValueError(f"make_task_problems: bad ops {ops!r} for {task}")
+  rng = random.Random(f"{task}|{difficulty}|{ops}|{max_number}|{seed}|{split}")
+  want_eval, out, seen = split == "eval", [], set()
+  for _ in range(50 * n + 1000):
+    if len(out) == n:
+      break
+    made = t.generate(rng, difficulty, ops, max_number)
+    if made is None or made[0] in seen or _is_eval(made[0]) != want_eval:
+      continue
+    seen.add(made[0])
+    pid = f"{task}-{hashlib.sha256(made[0].encode()).hexdigest()[:12]}"
+    out.append(Problem(pid, made[0], made[1], task))
+  if len(out) < n:
+    raise ValueError(f"make_task_problems: only {len(out)} distinct {split} problems found for {task} "
+                     f"difficulty={difficulty} ops={ops!r}; ask for fewer or raise the difficulty")
+  return out
+
+
+def reference_completion(problem: Problem) -> str:
+  """Supervised target text for warm-starts (the caller appends eos): the reference of problem.task (TASKS)."""
+  task = TASKS.get(problem.task)
+  text = task.reference(problem) if task else None
+  if text is None:
+    raise ValueError(f"reference_completion: problem {problem.id!r} (task {problem.task!r}) has no reference answer")
+  return text
+
+
+def verify(problem: Problem, completion: str, limits: SandboxLimits = SandboxLimits(), strict_math: bool = True) -> float:
+  """Reward in {0.0, 1.0} for `completion` (the decoded text after the prompt, eos already stripped) by the verifier
+  of problem.task (TASKS)."""
+  if problem.task not in TASKS:
+    raise ValueError(f"verify: problem {problem.id!r} has unknown task {problem.task!r}")
+  return TASKS[problem.task].verify(problem, completion, limits, strict_math)
+
+
 # ---------------------------------------------------------------------------------------------- curation
 
 def estimate_pass_rates(problems, sample_fn: Callable, k: int, score_fn: Optional[Callable] = None,
@@ -1263,6 +1290,122 @@ class PassRateTracker:
       raise ValueError("PassRateTracker.load_state_dict: expected a dict with 'ema' and 'stats'")
     self.ema = float(d["ema"])
     self.stats = {str(k): [int(v[0]), float(v[1]), float(v[2])] for k, v in d["stats"].items()}
+
+
+# ----------------------------------------------------------------------------------------- queue records
+# The two records on the parameter server's queues, defined once: the trainer writes PromptItems ("prompts")
+# and reads Rollouts ("rollouts"), a worker the reverse. On the wire each is one flat dict of JSON fields and
+# numpy arrays (param_server's item encoding). from_wire checks every field and raises a ValueError naming the
+# item and the field: a malformed item from a buggy or hostile peer is reported and set aside, never a crash.
+
+PARTIAL_FIELDS = ("partial_tokens", "partial_logprobs", "partial_versions", "partial_done")
+
+
+def _need(d, field, kinds, where, what):
+  v = d.get(field)
+  if not isinstance(v, kinds) or isinstance(v, bool) and bool not in kinds:
+    raise ValueError(f"{where}: field {field!r} must be {what}, got {type(v).__name__} {str(v)[:40]!r}")
+  return v
+
+
+def _token_ids(v, field, where) -> np.ndarray:
+  a = np.asarray(v) if isinstance(v, (np.ndarray, list)) else None
+  if a is None or a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+    raise ValueError(f"{where}: field {field!r} must be a 1-D array of token ids, got {type(v).__name__}")
+  return a.astype(np.int32)
+
+
+def _problem_wire(p: Problem) -> dict:
+  return dict(prompt_id=p.id, prompt=p.prompt, answer=p.answer, task=p.task,
+              tests=list(p.tests) if p.tests else None)
+
+
+def _problem_from_wire(d, where) -> Problem:
+  for f in ("prompt_id", "prompt", "answer", "task"):
+    _need(d, f, (str,), where, "a str")
+  tests = d.get("tests")
+  if tests is not None and not isinstance(tests, (list, tuple)):
+    raise ValueError(f"{where}: field 'tests' must be a list or null, got {type(tests).__name__}")
+  return Problem(id=d["prompt_id"], prompt=d["prompt"], answer=d["answer"], task=d["task"],
+                 tests=tuple(tests) if tests else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptItem:
+  """One entry of the "prompts" queue: sample group_size completions of `problem` from `prompt_tokens` (the
+  rendered prompt, bos included; the trainer tokenizes, so every worker prefills the same ids). `partial`: a
+  preempted worker's progress on it (the PARTIAL_FIELDS, checked by the worker that continues it with
+  rollout.partial_of), else None."""
+  id: str
+  problem: Problem
+  prompt_tokens: np.ndarray  # [S] int32
+  group_size: int
+  partial: Optional[dict] = None
+
+  def to_wire(self) -> dict:
+    return dict(id=self.id, **_problem_wire(self.problem), group_size=self.group_size,
+                prompt_tokens=np.asarray(self.prompt_tokens, np.int32), **(self.partial or {}))
+
+  @classmethod
+  def from_wire(cls, d: dict) -> "PromptItem":
+    where = f"prompt item {d.get('id')!r}"
+    _need(d, "id", (str,), where, "a str")
+    if _need(d, "group_size", (int,), where, "an int >= 1") < 1:
+      raise ValueError(f"{where}: group_size={d['group_size']} is not an int >= 1")
+    return cls(d["id"], _problem_from_wire(d, where), _token_ids(d.get("prompt_tokens"), "prompt_tokens", where),
+               d["group_size"], {k: d[k] for k in PARTIAL_FIELDS if k in d} or None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+  """One entry of the "rollouts" queue: the G completions a worker sampled for the PromptItem of the same id,
+  their behaviour log-probs and verifier rewards. version: the oldest policy version that produced any of its
+  tokens. stats: the numbers the worker sends along (pull_bytes, worker_tok_s, resumed_tokens, ...), which the
+  trainer logs per step."""
+  id: str
+  version: int
+  worker: str
+  problem: Problem
+  prompt_tokens: np.ndarray  # [S] int32
+  completions: list  # G x [n_g] int32
+  logprobs: list  # G x [n_g] float32
+  rewards: np.ndarray  # [G] float32
+  gen_s: float = 0.0
+  stats: dict = dataclasses.field(default_factory=dict)
+
+  def prompt_item(self, id: str, group_size: int) -> PromptItem:
+    """The prompt again, under a new id (a stale rollout's prompt is re-issued)."""
+    return PromptItem(id, self.problem, self.prompt_tokens, group_size)
+
+  def to_wire(self) -> dict:
+    return dict(id=self.id, version=self.version, worker=self.worker, **_problem_wire(self.problem),
+                prompt_tokens=np.asarray(self.prompt_tokens, np.int32), completions=list(self.completions),
+                logprobs=list(self.logprobs), rewards=np.asarray(self.rewards, np.float32), gen_s=self.gen_s,
+                **self.stats)
+
+  @classmethod
+  def from_wire(cls, d: dict) -> "Rollout":
+    where = f"rollout {d.get('id')!r}"
+    _need(d, "id", (str,), where, "a str")
+    _need(d, "version", (int,), where, "an int")
+    comps = _need(d, "completions", (list,), where, "a list")
+    lps = _need(d, "logprobs", (list,), where, "a list")
+    rewards = np.asarray(d.get("rewards", ()), np.float64) if isinstance(d.get("rewards"), (np.ndarray, list)) \
+        else None
+    if rewards is None or rewards.shape != (len(comps),) or not comps or len(lps) != len(comps) \
+            or not np.all(np.isfinite(rewards)):
+      raise ValueError(f"{where}: completions, logprobs and rewards must be G >= 1 entries each with finite "
+                       f"rewards; got {len(comps)}, {len(lps)}, {None if rewards is None else rewards.shape}")
+    comps = [_token_ids(c, f"completions[{i}]", where) for i, c in enumerate(comps)]
+    for i, (c, lp) in enumerate(zip(comps, lps)):
+      if not isinstance(lp, (np.ndarray, list)) or np.shape(lp) != c.shape:
+        raise ValueError(f"{where}: logprobs[{i}] must be {len(c)} log-probs, one per completion token")
+    known = {f.name for f in dataclasses.fields(cls)} | set(_problem_wire(Problem("", "", "")))
+    stats = {k: v for k, v in d.items() if k not in known and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return cls(d["id"], d["version"], str(d.get("worker", "")), _problem_from_wire(d, where),
+               _token_ids(d.get("prompt_tokens"), "prompt_tokens", where), comps,
+               [np.asarray(lp, np.float32) for lp in lps], rewards.astype(np.float32), float(d.get("gen_s", 0.0)),
+               stats)
 
 
 def group_has_signal(rewards, eps: float = 1e-6) -> bool:

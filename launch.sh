@@ -26,7 +26,7 @@
 #   --chaos / --no_chaos (default: on for the demo, off otherwise: worker0 SIGKILLed and the trainer SIGTERMed
 #   mid-run, see chaos()); --print_settings (what the run would use, then exit); anything after "--" goes to train.py.
 # Layout of a run dir: run.json (the run's identity and flags), ports, logs/<role>.log, pids/<role>.pid, token
-# (server secret), tokenizer-arithmetic.model, base/ (HF checkpoint of the warm-started policy), ckpt/ (trainer),
+# (server secret), tokenizer-<task>.model, base/ (HF checkpoint of the warm-started policy), ckpt/ (trainer),
 # server/ (server persistence), jax_cache/ (compiled programs), final/, eval_*.json; STOP while stopping.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")" && pwd)"
@@ -83,7 +83,8 @@ parse_local_flags() {
 }
 
 # Defaults of the built-in demo: one place, so that RESULTS.md numbers come from exactly these settings.
-DEMO_TASK_FLAGS=(--task=arithmetic --difficulty=2 --ops=+)
+DEMO_TASK=arithmetic DEMO_DIFFICULTY=2 DEMO_OPS=+  # the task (a name in data.TASKS) for training and the held-out eval
+DEMO_TASK_FLAGS=("--task=$DEMO_TASK" "--difficulty=$DEMO_DIFFICULTY" "--ops=$DEMO_OPS")
 # The base is SFT on a flawed teacher (--sft_slip: 90% of its answers end one too high) trained until it imitates it
 # (1600 steps of 128): it lands at ~10-20% pass@1 whatever the seed, and GRPO with the exact-answer verifier must
 # unlearn the habit. A short SFT on a perfect teacher instead lands wherever a seed's loss plateau ends (issue 14);
@@ -92,7 +93,7 @@ DEMO_TASK_FLAGS=(--task=arithmetic --difficulty=2 --ops=+)
 DEMO_SFT_FLAGS=(--sft_steps=1600 --sft_batch=128 --sft_lr=3e-3 --sft_slip=0.9)
 DEMO_RL_FLAGS=(--algo=grpo --steps=400 --prompts_per_step=16 --group_size=8 --lr=3e-4 --dynamic_sampling
                 --checkpoint_every=10)
-DEMO_EVAL_FLAGS=(--eval_task=arithmetic --eval_difficulty=2 --eval_ops=+ --eval_n=500 --k=8 --temperature=1.0)
+DEMO_EVAL_FLAGS=("--eval_task=$DEMO_TASK" "--eval_difficulty=$DEMO_DIFFICULTY" "--eval_ops=$DEMO_OPS" --eval_n=500 --k=8 --temperature=1.0)
 # Defaults for a real model (--init_checkpoint and/or --train_jsonl): the demo's lr 3e-4 / dynamic
 # sampling would wreck a pretrained LLM. lr 1e-6 is the usual GRPO learning rate for 0.5B-32B models (DAPO, Dr.GRPO
 # recipes use 1e-6); flags after "--" override any of these (absl takes the last value of a repeated flag).
@@ -320,9 +321,9 @@ run_local() {
   local t_start=$SECONDS
   [ -z "$TOKENIZER" ] && [ -n "$INIT_CKPT" ] && TOKENIZER="$INIT_CKPT"  # a real checkpoint ships its tokenizer
   if [ -z "$TOKENIZER" ]; then
-    TOKENIZER="$RUN_DIR/tokenizer-arithmetic.model"
+    TOKENIZER="$RUN_DIR/tokenizer-$DEMO_TASK.model"
     [ -f "$TOKENIZER" ] || echo "== building the task tokenizer: $TOKENIZER"
-    "$PY" -c "import data, sys; data.build_task_tokenizer(sys.argv[1], 'arithmetic', seed=0)" "$RUN_DIR" >/dev/null
+    "$PY" -c "import data, sys; data.build_task_tokenizer(*sys.argv[1:], seed=0)" "$RUN_DIR" "$DEMO_TASK" >/dev/null
   fi
   check_run_identity
   local base="${INIT_CKPT:-$RUN_DIR/base}"

@@ -533,16 +533,16 @@ def _client(token):
   return param_server.Client(host, int(port), token=token, retries=FLAGS.server_retries)
 
 
-PARTIAL = ("partial_tokens", "partial_logprobs", "partial_versions", "partial_done")
+PARTIAL = data.PARTIAL_FIELDS
 
 
-def partial_of(item, G, M, vocab):
-  """The partial rollout a preempted worker handed back in `item` (fields PARTIAL: per sample its tokens so far,
-  their behaviour log-probs and policy versions, and whether it had finished) as four lists of G, checked; a
-  ValueError names the field and sample. None if the item carries none."""
-  if not any(k in item for k in PARTIAL):
+def partial_of(fields, G, M, vocab):
+  """The partial rollout a preempted worker handed back (`fields`: a PromptItem's `partial`, or its wire dict:
+  per sample its tokens so far, their behaviour log-probs and policy versions, and whether it had finished) as
+  four lists of G, checked; a ValueError names the field and sample. None if it carries none."""
+  if not fields or not any(k in fields for k in PARTIAL):
     return None
-  out = [item.get(k) for k in PARTIAL]
+  out = [fields.get(k) for k in PARTIAL]
   for k, v in zip(PARTIAL, out):
     if not isinstance(v, list) or len(v) != G:
       raise ValueError(f"{k} must be a list of group_size={G} entries, got {type(v).__name__} "
@@ -659,16 +659,11 @@ def run_worker():
     """Sender thread: score one finished group, put its rollout, then ack its prompt."""
     it, gid = job["item"], job["id"]
     try:  # scoring and sending one item: a bad item is reported and skipped, never the end of the worker
-      problem = data.Problem(id=it["prompt_id"], prompt=it["prompt"], answer=it["answer"], task=it["task"],
-                             tests=tuple(it["tests"]) if it.get("tests") else None)
       comps = job["completions"]
-      rewards = pool.score([problem] * len(comps), [tok.decode(c.tolist()) for c in comps])
-      rollout = dict(id=gid, version=int(job["version"]), worker=wid,
-                     prompt_id=it["prompt_id"], prompt=it["prompt"], answer=it["answer"], task=it["task"],
-                     tests=it.get("tests"), prompt_tokens=np.asarray(it["prompt_tokens"], np.int32),
-                     completions=comps, logprobs=job["logprobs"],
-                     rewards=np.asarray(rewards, np.float32), gen_s=job["gen_s"], **job["stats"])
-      send_client.put("rollouts", [rollout])
+      rewards = pool.score([it.problem] * len(comps), [tok.decode(c.tolist()) for c in comps])
+      rollout = data.Rollout(gid, int(job["version"]), wid, it.problem, it.prompt_tokens, comps, job["logprobs"],
+                             np.asarray(rewards, np.float32), job["gen_s"], job["stats"])
+      send_client.put("rollouts", [rollout.to_wire()])
     except Exception as e:
       return fail_item(send_client, gid, e, failed)
     failed.clear()
@@ -685,39 +680,38 @@ def run_worker():
   sender = Sender(send, maxsize=max(FLAGS.slots, 1))
 
   def start(items):
-    """Prefills the items' prompts as one batch into free slots. An item whose prompt cannot run (not token
-    ids of this vocab, longer than the cache) fails alone (reported); the others start."""
+    """Prefills the items' (data.PromptItem) prompts as one batch into free slots. An item whose prompt cannot
+    run (not token ids of this vocab, longer than the cache) fails alone (reported); the others start."""
     batch = []
     for item in items:
-      if item["id"] in groups:  # its lease expired while we generate it and came back to us: keep the one running
-        logging.warning("prompt %s leased again while in flight here; not started twice", item["id"])
+      if item.id in groups:  # its lease expired while we generate it and came back to us: keep the one running
+        logging.warning("prompt %s leased again while in flight here; not started twice", item.id)
         continue
       try:
-        p = np.asarray(item["prompt_tokens"])
-        if p.ndim != 1 or not 1 <= len(p) <= engine.max_prompt_len:  # the trainer skips such prompts at load
-          raise ValueError(f"prompt {item.get('prompt_id')!r} of {p.size} tokens exceeds max_prompt_len="
+        p = item.prompt_tokens
+        if not 1 <= len(p) <= engine.max_prompt_len:  # the trainer skips such prompts at load
+          raise ValueError(f"prompt {item.problem.id!r} of {p.size} tokens exceeds max_prompt_len="
                            f"{engine.max_prompt_len} (or is empty)")
-        if p.dtype.kind not in "iu" or p.min() < 0 or p.max() >= cfg.vocab_size:
-          raise ValueError(f"prompt {item.get('prompt_id')!r}: prompt_tokens are not token ids in "
-                           f"[0, {cfg.vocab_size})")
+        if p.min() < 0 or p.max() >= cfg.vocab_size:
+          raise ValueError(f"prompt {item.problem.id!r}: prompt_tokens are not token ids in [0, {cfg.vocab_size})")
       except Exception as e:  # this item fails (reported, re-issued, quarantined after --max_failures)
-        fail_item(client, item["id"], e, failed)
+        fail_item(client, item.id, e, failed)
         continue
-      G = int(item["group_size"])
+      G = item.group_size
       try:  # a partial rollout from a preempted worker: continued, unless unusable or too stale to train on
-        part = partial_of(item, G, engine.M, cfg.vocab_size)
+        part = partial_of(item.partial, G, engine.M, cfg.vocab_size)
         if part and version - min(int(v.min()) for v in part[2] if len(v)) > FLAGS.max_staleness:
           raise ValueError(f"its oldest token is more than --max_staleness={FLAGS.max_staleness} versions "
                            f"behind v{version}")
       except ValueError as e:  # the prompt itself is fine: generate it afresh (nothing is lost but the tokens)
-        logging.warning("prompt %s: partial rollout not continued (%s); generating it afresh", item["id"], e)
+        logging.warning("prompt %s: partial rollout not continued (%s); generating it afresh", item.id, e)
         part = None
-      batch.append((item, slots.take(item["id"], G), p.astype(np.int32), part))
+      batch.append((item, slots.take(item.id, G), p, part))
     if not batch:
       return
     rows, resume = [], [[] for _ in range(5)]  # prefill rows; continued slots, their tokens, logp, versions, done
     for it, sl, p, part in batch:
-      keys = group_keys(FLAGS.seed, it["id"], len(sl))
+      keys = group_keys(FLAGS.seed, it.id, len(sl))
       if part is None:
         rows.append((sl, p, keys))  # one prefill row for the whole group
         continue
@@ -731,11 +725,11 @@ def run_worker():
         engine.resume(*resume)
     except Exception as e:  # not an item's fault as far as we could check: report each, the worker goes on
       for it, _, _, _ in batch:
-        slots.release(it["id"])
-        fail_item(client, it["id"], e, failed)
+        slots.release(it.id)
+        fail_item(client, it.id, e, failed)
       return
     for it, _, _, part in batch:
-      groups[it["id"]].update(item=it, t0=time.time(), resumed=sum(len(t) for t in part[0]) if part else 0)
+      groups[it.id].update(item=it, t0=time.time(), resumed=sum(len(t) for t in part[0]) if part else 0)
 
   try:
     while True:
@@ -758,19 +752,20 @@ def run_worker():
         if not groups:  # idle: nothing to decode while the lease call waits
           window.add(wait_prompts_s=time.time() - t)
         fits, room = [], len(slots.free)
-        for item in items:
-          if not isinstance(item.get("group_size"), int) or item["group_size"] < 1:
-            fail_item(client, item["id"], ValueError(f"group_size={item.get('group_size')!r} is not an int >= 1"),
-                      failed)
+        for raw in items:
+          try:
+            item = data.PromptItem.from_wire(raw)
+          except ValueError as e:  # a malformed item fails alone (reported; quarantined after --max_failures)
+            fail_item(client, raw["id"], e, failed)
             continue
-          group_size = item["group_size"]
+          group_size = item.group_size
           if group_size > FLAGS.slots:  # this worker's configuration, not the item: fail loudly
             raise ValueError(f"group_size={group_size} > --slots={FLAGS.slots}")
           if group_size <= room:
             fits.append(item)
             room -= group_size
           else:  # not enough room now: hand it straight back so another worker can take it
-            client.requeue("prompts", [item["id"]])
+            client.requeue("prompts", [item.id])
         start(fits)
       sender.check()
       if not groups:
@@ -790,7 +785,7 @@ def run_worker():
         tag = min((int(vers[i, :n[i]].min()) for i in range(len(n)) if n[i]), default=version)
         if latest - tag > FLAGS.max_staleness and drain_deadline is None:
           # Too stale for the trainer: regenerated below with the newest weights, from scratch.
-          stale.append({k: v for k, v in g["item"].items() if k not in PARTIAL})
+          stale.append(dataclasses.replace(g["item"], partial=None))
           continue
         # Rates over the last 30 s: decode busy fraction, generated tokens/s, the fraction of time spent
         # waiting for prompts (nothing to decode) or for the sender (scoring fell a queue behind).
@@ -827,9 +822,9 @@ def hand_back(client, engine, groups):
       continue
     stop_ids = engine.sc.stop_ids
     done = [bool(n[i] == engine.M or (n[i] and int(toks[i, n[i] - 1]) in stop_ids)) for i in range(len(n))]
-    partial.append(dict(g["item"], partial_tokens=[toks[i, :n[i]] for i in range(len(n))],
-                        partial_logprobs=[lps[i, :n[i]] for i in range(len(n))],
-                        partial_versions=[vers[i, :n[i]] for i in range(len(n))], partial_done=done))
+    partial.append(dataclasses.replace(g["item"], partial=dict(
+        partial_tokens=[toks[i, :n[i]] for i in range(len(n))], partial_logprobs=[lps[i, :n[i]] for i in range(len(n))],
+        partial_versions=[vers[i, :n[i]] for i in range(len(n))], partial_done=done)).to_wire())
     saved += int(n.sum())
   if plain:
     client.requeue("prompts", plain)

@@ -5,16 +5,12 @@ Design:
     scored rollout groups (queue "rollouts"), and broadcasts each batch to the other JAX processes, which all
     run the same jitted step over one global (data, fsdp, tensor) mesh (`jax.distributed`, gloo on CPU: the
     same code path as a multi-host TPU slice).
-  * Exactly-once (RolloutLedger): a rollout leased for step s counts as consumed (trained, or skipped as stale /
-    zero-variance and listed in that step's `skipped_ids`) only once step s is in a checkpoint, and is acked on
-    the server only after that checkpoint is committed; SIGTERM mid-collection requeues the partial batch. A
-    trainer killed before that checkpoint gets the rollouts again (leases are released by `requeue` at startup)
-    and, having rolled back, trains them once in the surviving lineage; rollouts already recorded in the
-    checkpoint but not yet acked are skipped by id. The record is bounded (a count + the newest generations).
-  * Prompts are issued with deterministic ids ("s<seq>") from a resumable PromptStream whose cursor is in the
-    checkpoint, so a restarted trainer re-issues the same ids and the server drops the duplicates.
-  * Staleness: a rollout more than --max_staleness versions behind the current weights is not trained on; its
-    prompt is re-issued under a new id.  DAPO dynamic sampling drops zero-variance groups and refills.
+  * The loop (run_rl) reads as named steps: collect -> batch -> step -> publish -> checkpoint -> log.
+  * Exactly once (ledger.py): process 0's Collector issues prompts and leases rollouts; a rollout counts as
+    consumed (trained, or skipped as stale / zero-variance / malformed) only once a checkpoint holding its step
+    commits, and only then is it acked. SIGTERM mid-collection hands the partial batch back; a trainer killed
+    before the commit gets the rollouts again and trains them once in the surviving lineage. Prompts have
+    deterministic ids from a resumable stream; stale groups are re-issued; DAPO dynamic sampling refills.
   * Precision: fp32 master weights in the optimizer; --param_dtype=bfloat16 casts them for the forward and for
     the workers.  Log-probs, softmax and the loss are fp32 (model.py / losses.py).
   * Weights are published without gathering (shards.publish): each process stages its own shards on its shard
@@ -31,6 +27,7 @@ Run:
   TPU pod:           bash launch.sh v5p-1024  (one trainer process per trainer host; see --dry_run)
 """
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -176,6 +173,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import data  # noqa: E402
 import fileio  # noqa: E402
 import flags_common  # noqa: E402
+import ledger  # noqa: E402
 import losses  # noqa: E402
 import model  # noqa: E402
 import shards  # noqa: E402
@@ -537,15 +535,6 @@ def parse_band(spec):
   return (low, high) if 0.0 <= low < high <= 1.0 else None
 
 
-def in_band(tracker, pid, band, min_samples):
-  """Online curation: is prompt pid still worth issuing? Unknown or barely sampled prompts are; otherwise its
-  recent (EMA) pass rate must lie strictly inside the band (the paper drops always- and never-solved prompts)."""
-  st = tracker.stats.get(pid)
-  if band is None or st is None or st[0] < min_samples:
-    return True
-  return band[0] < tracker.ema_rate(pid) < band[1]
-
-
 def training_prompts(cfg, tok, flags_file):
   """(encode, the training prompts that fit, the longest kept prompt's length, batch buckets); saves the run's
   flags once (process 0). A prompt that cannot fit is refused here (logged with file:line), never handed to a
@@ -569,14 +558,14 @@ def rl_batch(groups, lcfg, pad_id, buckets, max_new_tokens):
   when the algorithm asks for it, DAPO's soft overlong penalty.
   """
   prompts, comps, blp, tok_r = [], [], [], []
-  rewards = np.stack([np.asarray(g["rewards"], np.float32) for g in groups])  # [P,G]
-  lengths = np.asarray([[len(c) for c in g["completions"]] for g in groups], np.float32)
+  rewards = np.stack([np.asarray(g.rewards, np.float32) for g in groups])  # [P,G]
+  lengths = np.asarray([[len(c) for c in g.completions] for g in groups], np.float32)
   if lcfg.overlong_buffer_frac:
     buffer = max(1, round(lcfg.overlong_buffer_frac * max_new_tokens))
     rewards = rewards + np.asarray(losses.overlong_shaping(lengths, max_new_tokens, buffer))
   for g, row in zip(groups, rewards):
-    for c, lp, r in zip(g["completions"], g["logprobs"], row):
-      prompts.append(np.asarray(g["prompt_tokens"], np.int32))
+    for c, lp, r in zip(g.completions, g.logprobs, row):
+      prompts.append(np.asarray(g.prompt_tokens, np.int32))
       comps.append(np.asarray(c, np.int32))
       blp.append(np.asarray(lp, np.float32))
       tok_r.append(np.eye(1, len(c), len(c) - 1, dtype=np.float32)[0] * r)  # outcome reward on the last token
@@ -685,10 +674,9 @@ def run_sft():
   logging.info("sft done: %s", out)
 
 
-# Fields a prompt item and its rollout share (the worker copies them), so a stale rollout can be re-issued.
+# Fields of a training batch, in the order broadcast_batch sends them.
 BATCH_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "behaviour_logp", "token_rewards",
               "advantages")
-PROMPT_FIELDS = ("prompt_id", "prompt", "answer", "task", "tests", "prompt_tokens")
 
 
 def broadcast_batch(batch):
@@ -705,129 +693,18 @@ def broadcast_batch(batch):
   return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tmpl))
 
 
-def note_quarantined(client, state, ledger, lease_s):
-  """Prompts the server quarantined (workers reported them failed --max_failures times; notices in the queue
-  "prompts.failed") count as consumed without training, so issue() sends a replacement; each is recorded once
-  in the checkpointed state["quarantined"] (id, reason, failures) and its notice acked once that checkpoint
-  commits. Returns how many were new."""
-  new = 0
-  for it in client.get("prompts.failed", max_items=1000, lease_s=lease_s):
-    if ledger.settle_notice(it["id"], client):
-      state["quarantined"].append(dict(id=it["id"], reason=it["reason"], failures=it["failures"]))
-      logging.warning("prompt %s quarantined by the server after %d failures: %s", it["id"], it["failures"],
-                      it["reason"][:300])
-      new += 1
-  return new
+def lead_says(flag):
+  """Process 0's bool, on every process (each process must take the same branch around a collective)."""
+  if jax.process_count() == 1:
+    return bool(flag)
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(bool(flag))))
 
 
-class RolloutLedger:
-  """Exactly-once bookkeeping for leased rollouts (process 0 only), bounded for runs of any length.
-
-  Rule: a rollout leased while collecting step s is consumed -- trained, or skipped as stale / zero-variance
-  (the step's metrics list it in `skipped_ids`) -- only once a checkpoint holding step s is *committed*, and
-  only then acked on the server (checkpoints are written asynchronously: acks wait for the commit). A stop
-  (SIGTERM) mid-collection hands the partial batch back (requeue), so another trainer incarnation trains it;
-  after a kill -9 the leases come back by the startup requeue.
-
-  Bounded: a checkpoint records a count plus the ids of its newest `keep` generations (a generation = the ids
-  settled between two checkpoints), not every id ever consumed. That suffices: an id comes back from the server
-  only while it is unacked, and a generation is acked right after the checkpoint recording it commits, so after
-  a crash the only recorded-but-unacked ids are in the newest generations.
-  """
-
-  def __init__(self, keep=3):
-    self.keep, self.count, self.gens, self._recorded = keep, 0, [], set()  # as in the newest checkpoint
-    self.unacked, self.unacked_notices = [], []  # recorded by a checkpoint not yet committed
-    self.settled, self.notices = [], []  # trained / skipped / quarantined in steps done since that checkpoint
-    self.batch = []     # leased for the step being collected
-    self.reissued = 0   # prompts re-issued (stale) for the step being collected
-
-  def __len__(self):  # every prompt this lineage consumed or holds (leased and not handed back)
-    return self.count + len(self.settled) + len(self.notices) + len(self.batch)
-
-  def _held(self, rid):
-    return rid in self._recorded or rid in self.batch or rid in self.settled or rid in self.notices
-
-  def lease(self, rid):
-    """'acked_dup': in a committed checkpoint but not acked before a crash (ack it again); 'dup': leased twice
-    in this incarnation (a lease expired) or in a checkpoint still being committed; 'new': now part of the step
-    being collected."""
-    if rid in self._recorded and rid not in self.unacked:
-      return "acked_dup"
-    if self._held(rid):
-      return "dup"
-    self.batch.append(rid)
-    return "new"
-
-  def settle_notice(self, rid, client):
-    """A quarantine notice for prompt rid: consumed without training, acked after the next checkpoint commits.
-    False if rid is already held (its rollout arrived first, or the notice came back after a crash): then the
-    notice is only acked, at once."""
-    if rid in self.unacked_notices or rid in self.notices:
-      return False
-    if self._held(rid):
-      client.ack("prompts.failed", [rid])
-      return False
-    self.notices.append(rid)
-    return True
-
-  def step_done(self):
-    self.settled += self.batch
-    self.batch, self.reissued = [], 0
-
-  def release(self, client):
-    """A stop mid-collection: the partial batch goes back to the server untrained. Returns the prompts this
-    batch had re-issued (the caller un-counts them: the re-issue repeats, deduplicated by id)."""
-    if self.batch:
-      client.requeue("rollouts", self.batch)
-    n = self.reissued
-    self.batch, self.reissued = [], 0
-    return n
-
-  def state_dict(self):
-    """What the next checkpoint records: everything settled so far."""
-    assert not self.batch, "a checkpoint inside a collection would record untrained rollouts"
-    return dict(count=self.count + len(self.settled) + len(self.notices),
-                gens=(self.gens + [self.settled + self.notices])[-self.keep:])
-
-  def saved(self):
-    """The checkpoint holding state_dict() is being written: its ids wait for the commit to be acked."""
-    self.load_state_dict(self.state_dict())
-    self.unacked += self.settled
-    self.unacked_notices += self.notices
-    self.settled, self.notices = [], []
-
-  def committed(self, client):
-    """That checkpoint is on disk: ack, and its ids are consumed."""
-    if self.unacked:
-      client.ack("rollouts", self.unacked)
-    if self.unacked_notices:
-      client.ack("prompts.failed", self.unacked_notices)
-    self.unacked, self.unacked_notices = [], []
-
-  def load_state_dict(self, d):
-    if not isinstance(d, dict) or not isinstance(d.get("count"), int) or not isinstance(d.get("gens"), list):
-      raise ValueError(f"RolloutLedger.load_state_dict: expected {{count: int, gens: [[ids]]}}, got {str(d)[:80]}")
-    self.count, self.gens = d["count"], [list(g) for g in d["gens"]]
-    self._recorded = {r for g in self.gens for r in g}
-
-
-def run_rl():
-  import param_server
-  stop = param_server.StopFlag()
-  mesh = setup_mesh()
-  lead = jax.process_index() == 0
-  os.makedirs(FLAGS.run_dir, exist_ok=True)
-  tok = data.load_tokenizer(FLAGS.tokenizer)
-  if FLAGS.init_checkpoint is None:
-    raise app.UsageError("--mode=rl needs --init_checkpoint (an HF checkpoint dir)")
-  jax.set_mesh(mesh)  # activations are constrained by model.py's logical-axis table over this mesh
-  cfg, init = model.load_hf_checkpoint(FLAGS.init_checkpoint, dtype=jnp.float32)
-  base = losses.ALGORITHMS[FLAGS.algo]
-  lcfg = loss_config(base, FLAGS.loss_override, FLAGS.max_new_tokens)
+def init_learner(mesh, cfg, init):
+  """(loss config, params = {policy, value}, optimizer state, frozen reference policy or None, jitted step)."""
+  lcfg = loss_config(losses.ALGORITHMS[FLAGS.algo], FLAGS.loss_override, FLAGS.max_new_tokens)
   compute_dtype = jnp.dtype(FLAGS.param_dtype)
   optimizer = make_optimizer(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps, FLAGS.weight_decay, FLAGS.grad_clip)
-  lr_schedule = lr_schedule_fn(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps)  # for the metrics log
   policy = place_params(init, cfg, mesh)  # fp32 master weights
   # PPO's value head (only when the advantage estimator is GAE): a linear map of the final hidden state.
   value = (dict(w=jnp.zeros((cfg.d_model,), jnp.float32), b=jnp.zeros((), jnp.float32))
@@ -839,247 +716,195 @@ def run_rl():
   # same dtype would alias the donated params buffers.
   ref_params = (jax.tree.map(lambda x: jnp.array(x, compute_dtype, copy=True), policy)
                 if lcfg.kl_coef > 0 else None)
-  encode, problems, max_prompt, buckets = training_prompts(cfg, tok, "flags.json")
-  stream = data.PromptStream(problems, seed=FLAGS.seed)
-  tracker = data.PassRateTracker()
-  # The trainer draws no random numbers of its own: data order is the stream's state (saved below) and sampling
-  # keys derive from prompt ids on the workers, so the seed is the whole RNG state.
-  state = dict(step=0, version=-1, seq=0, issued=0, seed=FLAGS.seed)
-  ledger = RolloutLedger()
-  ckpt = Checkpointer(FLAGS.checkpoint_dir or os.path.join(FLAGS.run_dir, "ckpt"), FLAGS.keep_checkpoints)
-  got = ckpt.restore(params, opt_state)  # onto this run's mesh, whatever mesh wrote it
-  if got:
-    params, opt_state, state = got
-    stream.load_state_dict(state.pop("stream"))
-    tracker.load_state_dict(state.pop("pass_rates"))
-    ledger.load_state_dict(state.pop("consumed"))
-    logging.info("resumed at step %d", state["step"])
-  loss_fn = lambda p, r, b: rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=FLAGS.temperature,  # noqa: E731
-                                    compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl,
-                                    value_coef=FLAGS.value_coef, gae_gamma=FLAGS.gae_gamma,
-                                    gae_lambda=FLAGS.gae_lambda, value_clip=FLAGS.value_clip, remat=FLAGS.remat,
-                                    logprob_chunk=FLAGS.logprob_chunk)
-  prox_fn = lambda p, b: proximal(p, b, cfg=cfg, temperature=FLAGS.temperature,  # noqa: E731
-                                  compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl,
-                                  logprob_chunk=FLAGS.logprob_chunk)
+  common = dict(cfg=cfg, temperature=FLAGS.temperature, compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl,
+                logprob_chunk=FLAGS.logprob_chunk)
+  loss_fn = functools.partial(rl_loss, lcfg=lcfg, value_coef=FLAGS.value_coef, gae_gamma=FLAGS.gae_gamma,
+                              gae_lambda=FLAGS.gae_lambda, value_clip=FLAGS.value_clip, remat=FLAGS.remat, **common)
+  step = make_train_step(optimizer, loss_fn, FLAGS.grad_accum, epochs=FLAGS.ppo_epochs,
+                         minibatches=FLAGS.minibatches, prox_fn=functools.partial(proximal, **common))
   # Pin the outputs to the inputs' shardings: XLA would otherwise leave updated params/moments replicated.
   shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
-  train_step = jax.jit(make_train_step(optimizer, loss_fn, FLAGS.grad_accum, epochs=FLAGS.ppo_epochs,
-                                       minibatches=FLAGS.minibatches, prox_fn=prox_fn), donate_argnums=(0, 1),
-                       out_shardings=(*shardings, None))
-  bsh = NamedSharding(mesh, P(("data", "fsdp")))
-  metrics = Metrics(os.path.join(FLAGS.run_dir, "metrics.jsonl"))
+  train_step = jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, None))
+  return lcfg, params, opt_state, ref_params, train_step
 
+
+def connect_servers():
+  """A client per parameter server: entry 0 (--server) holds the queues and the manifest; every trainer process
+  stages its weight shards on entry process_index % S (shards.publish)."""
   token = open(FLAGS.token_file).read().strip() if FLAGS.token_file else None
-  # Shard servers: entry 0 holds the manifest (--server); every process stages on entry process_index % S.
   if FLAGS.shard_servers.startswith("self:"):  # a pod: one server per trainer host, on this port
     addrs = shards.own_server_addresses(FLAGS.server, int(FLAGS.shard_servers[5:]))
   else:
     addrs = [FLAGS.server] + [a for a in FLAGS.shard_servers.split(",") if a and a != FLAGS.server]
-  shard_clients = [shards.connect(a, token, FLAGS.server_retries) for a in addrs]
-  client = shard_clients[0] if lead else None
+  return [shards.connect(a, token, FLAGS.server_retries) for a in addrs]
+
+
+def publish(servers, version, policy, meta):
+  """Every process stages its own shards (no gather); process 0 commits the manifest, a version newer than
+  both ours and the server's (shards.publish). Returns the version published."""
+  want = max(version, servers[0].latest_version()) + 1 if jax.process_index() == 0 else 0
+  dtype = jnp.dtype(FLAGS.param_dtype)
+  return shards.publish(servers, want, jax.tree.map(lambda x: x.astype(dtype), policy), meta)[0]
+
+
+def weights_lost(servers, version):
+  """A restarted server may have lost our newest version (it persists weights in the background)."""
+  return lead_says(jax.process_index() == 0 and (servers[0].latest_version() < version or any(
+      version not in c.staged()["versions"] for c in servers)))
+
+
+def checkpoint(ckpt, collector, state, params, opt_state, final=False):
+  """Waits for the previous checkpoint's commit and acks what it recorded, then starts writing this step's
+  (each process its own shards, asynchronously); final=True also waits for this one and acks it."""
+  lead = jax.process_index() == 0
+  ckpt.wait()
   if lead:
-    client.requeue("rollouts")  # leases held by a previous incarnation of this trainer come back now
-
-  def publish():
-    """Every process stages its own shards (no gather); process 0 commits the manifest (shards.publish)."""
-    nonlocal push_s
-    t = time.time()
-    want = max(state["version"], client.latest_version()) + 1 if lead else 0
-    state["version"], _ = shards.publish(shard_clients, want,
-                                         jax.tree.map(lambda x: x.astype(compute_dtype), params["policy"]),
-                                         dict(config=cfg.to_hf_dict(), sampling=sampling))
-    push_s = time.time() - t
-
-  def checkpoint(final=False):
-    """Waits for the previous checkpoint's commit and acks what it recorded, then starts writing this step's
-    (each process its own shards, asynchronously); final=True also waits for this one and acks it."""
+    collector.committed()
+  if ckpt.save(state["step"], params, opt_state, dict(state, **collector.state_dict())):
+    collector.saved()
+  if final:
     ckpt.wait()
     if lead:
-      ledger.committed(client)  # only now are these rollouts durably consumed
-    st = dict(state, stream=stream.state_dict(), pass_rates=tracker.state_dict(), consumed=ledger.state_dict())
-    if ckpt.save(state["step"], params, opt_state, st):
-      ledger.saved()
-    if final:
-      ckpt.wait()
-      if lead:
-        ledger.committed(client)
+      collector.committed()
 
-  def curate():
-    """Offline curation through the workers at the base weights: group_size samples of each of the next
-    --curate_prompts prompts of the stream (ids c<i>, scored, never trained on). Their pass rates go into the
-    tracker, which decides what is issued (next_in_band): out-of-band prompts are skipped from the first draw.
-    The stream itself stays the whole training set: RL on a small kept subset memorises it (measured: a
-    754-prompt subset, each drawn ~25 times, raised the training reward 0.19 -> 0.47 and held-out pass@8 fell
-    36.6% -> 18.8%)."""
-    cand = stream.peek(min(FLAGS.curate_prompts, len(stream.problems)))
-    if lead:
-      t = time.time()
-      for s in range(0, len(cand), 256):  # bounded frames
-        client.put("prompts", [prompt_item(f"c{i}", p) for i, p in enumerate(cand[s:s + 256], s)])
-      seen = set()
-      bar_c = tqdm(total=len(cand), desc="curation: base pass rates", dynamic_ncols=True, mininterval=1.0)
-      while len(seen) < len(cand):
-        if stop.requested:  # nothing trained yet: the restarted trainer curates again
-          raise SystemExit("stopped during curation")
-        for it in client.get("rollouts", max_items=64, wait_s=FLAGS.get_wait_s, lease_s=FLAGS.rollout_lease_s):
-          if it["id"].startswith("c") and it["id"] not in seen:
-            seen.add(it["id"])
-            tracker.update(it["prompt_id"], it["rewards"])
-            bar_c.update(1)
-          client.ack("rollouts", [it["id"]])
-      bar_c.close()
-      rates = {p.id: tracker.rate(p.id) for p in cand}
-      kept = data.filter_by_pass_rate(cand, rates, *band)
-      data.write_jsonl(os.path.join(FLAGS.run_dir, "curated.jsonl"), kept, rates)  # for the user: what was kept
-      r = np.asarray(list(rates.values()))
-      rec = dict(step=0, curation_prompts=len(cand), curation_kept=len(kept), curation_s=time.time() - t,
-                 curation_mean_rate=float(r.mean()), curation_never=float((r == 0).mean()),
-                 curation_always=float((r == 1).mean()))
-      logging.info("curation: %s", rec)
-      metrics.write(rec)
 
-  def next_in_band():
-    # At most one pass over the stream is skipped, so a band that nothing is inside cannot stall the run.
-    for _ in range(len(stream.problems)):
-      p = stream.next()
-      if in_band(tracker, p.id, band, FLAGS.group_size):
-        return p
-      state["band_skipped"] += 1
-    return p
+def curate(collector, stop, metrics):
+  """Once per run, before training: the base policy's pass rates on --curate_prompts prompts (Collector.curate)
+  decide what is issued; curated.jsonl shows the user what was kept."""
+  t = time.time()
+  rates = collector.curate(FLAGS.curate_prompts, stop)
+  kept = data.filter_by_pass_rate(list(rates), {p.id: r for p, r in rates.items()}, *collector.band)
+  data.write_jsonl(os.path.join(FLAGS.run_dir, "curated.jsonl"), kept, {p.id: r for p, r in rates.items()})
+  r = np.asarray(list(rates.values()))
+  rec = dict(step=0, curation_prompts=len(rates), curation_kept=len(kept), curation_s=time.time() - t,
+             curation_mean_rate=float(r.mean()), curation_never=float((r == 0).mean()),
+             curation_always=float((r == 1).mean()))
+  logging.info("curation: %s", rec)
+  metrics.write(rec)
 
-  def issue(target):
-    items = []
-    while state["issued"] - len(ledger) < target:
-      p = next_in_band()
-      items.append(prompt_item(f"s{state['seq']}", p))
-      state["seq"] += 1
-      state["issued"] += 1
-    if items:
-      client.put("prompts", items)
 
-  def prompt_item(pid, p):
-    return dict(id=pid, prompt_id=p.id, prompt=p.prompt, answer=p.answer, task=p.task,
-                tests=list(p.tests) if p.tests else None, group_size=FLAGS.group_size,
-                prompt_tokens=np.asarray(encode(p), np.int32))
+# What a rollout's worker reports with it (shards.pull figures, its load over the last 30 s); logged as the mean
+# over a step's groups. With the trainer's own wait fraction they say which side to grow (plot.py's balance line,
+# docs/GUIDE.md "Sizing").
+WORKER_STATS = ("pull_bytes", "pull_s", "delta_frac", "worker_busy_frac", "worker_tok_s", "worker_wait_prompts_frac",
+                "worker_wait_send_frac")
 
-  push_s = 0.0
-  state.setdefault("quarantined", [])
-  # The workers' sampling settings travel with the weights: one source of truth for what the loss scores.
-  # max_prompt_len: the longest kept prompt, so the workers size their KV cache from the data.
-  sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-                  max_new_tokens=FLAGS.max_new_tokens, max_prompt_len=max_prompt)
-  publish()
+
+def step_record(state, got, collector, trained_version, rewards, lengths, batch, m, times):
+  """The step's line in metrics.jsonl."""
+  groups = got.groups
+  lag = trained_version - np.asarray([g.version for g in groups])
+  rec = dict(step=state["step"], time=time.time(),
+             lr=float(lr_schedule_fn(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps)(state["step"] - 1)),
+             reward=float(rewards.mean()), reward_std=float(rewards.std()),
+             truncated_frac=float((lengths >= FLAGS.max_new_tokens).mean()), pass_rate=float((rewards > 0.5).mean()),
+             completion_len=float(lengths.mean()), staleness_mean=float(lag.mean()), staleness_max=int(lag.max()),
+             stale_dropped=got.stale, zero_var_dropped=got.zero_var, duplicates_skipped=got.duplicates,
+             malformed_skipped=got.malformed, quarantined=len(collector.quarantined),
+             band_skipped=collector.band_skipped, **times,
+             tokens_per_s=float(batch["loss_mask"].sum()) / max(times["step_s"], 1e-9),
+             version=state["version"], rollout_ids=[g.id for g in groups], skipped_ids=got.skipped, **m)
+  for k in WORKER_STATS:
+    vals = [g.stats[k] for g in groups if k in g.stats]
+    if vals:
+      rec[k] = float(np.mean(vals))
+  # Tokens a preempted worker generated and handed back (partial rollouts) that another worker continued.
+  rec.update(resumed_tokens=int(sum(g.stats.get("resumed_tokens", 0) for g in groups)),
+             workers=len({g.worker for g in groups}),
+             trainer_wait_frac=times["wait_s"] / max(sum(times.values()), 1e-9))
+  return rec
+
+
+def run_rl():
+  """collect -> batch -> step -> publish -> checkpoint -> log, until --steps or a SIGTERM (a TPU preemption:
+  the partial batch goes back to the server, the checkpoint is written, a rerun resumes)."""
+  import param_server
   from tqdm import tqdm
-  band = parse_band(FLAGS.pass_band)
-  state.setdefault("band_skipped", 0)
-  if FLAGS.curate_prompts and not state.get("curated"):
-    curate()  # once per run: its rates are in the checkpointed tracker
-    state["curated"] = True
-  bar = None
+  stop = param_server.StopFlag()
+  mesh = setup_mesh()
+  jax.set_mesh(mesh)  # activations are constrained by model.py's logical-axis table over this mesh
+  lead = jax.process_index() == 0
+  if FLAGS.init_checkpoint is None:
+    raise app.UsageError("--mode=rl needs --init_checkpoint (an HF checkpoint dir)")
+  tok = data.load_tokenizer(FLAGS.tokenizer)
+  cfg, init = model.load_hf_checkpoint(FLAGS.init_checkpoint, dtype=jnp.float32)
+  lcfg, params, opt_state, ref_params, train_step = init_learner(mesh, cfg, init)
+  encode, problems, max_prompt, buckets = training_prompts(cfg, tok, "flags.json")
+  servers = connect_servers()
+  collector = ledger.Collector(
+      servers[0] if lead else None, data.PromptStream(problems, seed=FLAGS.seed), data.PassRateTracker(), encode,
+      group_size=FLAGS.group_size, prefetch_steps=FLAGS.prefetch_steps, lease_s=FLAGS.rollout_lease_s,
+      wait_s=FLAGS.get_wait_s, max_staleness=FLAGS.max_staleness, dynamic_sampling=FLAGS.dynamic_sampling,
+      band=parse_band(FLAGS.pass_band))
+  # The trainer draws no random numbers of its own: data order is the stream's state (in the checkpoint) and
+  # sampling keys derive from prompt ids on the workers, so the seed is the whole RNG state.
+  state = dict(step=0, version=-1, seed=FLAGS.seed)
+  ckpt = Checkpointer(FLAGS.checkpoint_dir or os.path.join(FLAGS.run_dir, "ckpt"), FLAGS.keep_checkpoints)
+  got = ckpt.restore(params, opt_state)  # onto this run's mesh, whatever mesh wrote it
+  if got:
+    params, opt_state, st = got
+    collector.load_state_dict(st)
+    state = {k: st[k] for k in ("step", "version", "seed", "curated") if k in st}
+    logging.info("resumed at step %d", state["step"])
   if lead:
-    bar = tqdm(total=FLAGS.steps, initial=state["step"], desc=f"{FLAGS.algo}", dynamic_ncols=True,
-               mininterval=1.0, miniters=1)
-  P_ = FLAGS.prompts_per_step
-  while state["step"] < FLAGS.steps:
-    t0 = time.time()
-    groups, skipped, rated, n_stale, n_dropped, n_dup = [], [], [], 0, 0, 0
+    servers[0].requeue("rollouts")  # leases held by a previous incarnation of this trainer come back now
+  # The workers' sampling settings travel with the weights (manifest header fields): one source of truth for
+  # what the loss scores. max_prompt_len: the longest kept prompt, so the workers size their KV cache from it.
+  meta = dict(config=cfg.to_hf_dict(), sampling=dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k,
+                                                     top_p=FLAGS.top_p, max_new_tokens=FLAGS.max_new_tokens,
+                                                     max_prompt_len=max_prompt))
+  state["version"] = publish(servers, state["version"], params["policy"], meta)
+  metrics = Metrics(os.path.join(FLAGS.run_dir, "metrics.jsonl"))
+  if FLAGS.curate_prompts and not state.get("curated"):
     if lead:
-      while len(groups) < P_ and not stop.requested:
-        note_quarantined(client, state, ledger, FLAGS.rollout_lease_s)
-        issue(P_ * FLAGS.prefetch_steps)
-        for it in client.get("rollouts", max_items=P_ - len(groups), wait_s=FLAGS.get_wait_s,
-                             lease_s=FLAGS.rollout_lease_s):
-          rid = it["id"]
-          if rid.startswith("c"):  # a curation rollout from before a trainer restart: already counted
-            client.ack("rollouts", [rid])
-            continue
-          seen = ledger.lease(rid)
-          if seen != "new":
-            if seen == "acked_dup":  # recorded by a checkpoint but not acked before a crash
-              client.ack("rollouts", [rid])
-            n_dup += 1
-            continue
-          if state["version"] - int(it["version"]) > FLAGS.max_staleness:
-            n_stale += 1  # too old to train on: re-issue the prompt under a fresh id
-            client.put("prompts", [dict({k: it[k] for k in PROMPT_FIELDS}, id=rid + "r",
-                                        group_size=FLAGS.group_size)])
-            state["issued"] += 1
-            ledger.reissued += 1
-            skipped.append(rid)
-            continue
-          rated.append((it["prompt_id"], np.asarray(it["rewards"])))  # counted once the step is done
-          if FLAGS.dynamic_sampling and not data.group_has_signal(it["rewards"]):
-            n_dropped += 1
-            skipped.append(rid)
-            continue
-          groups.append(it)
-    stop_now = bool(multihost_utils.broadcast_one_to_all(np.int32(stop.requested))) \
-        if jax.process_count() > 1 else stop.requested
-    if stop_now:
-      if lead:  # the partial batch was never trained: back to the server, not into the checkpoint
-        n = len(ledger.batch)
-        state["issued"] -= ledger.release(client)
-        logging.info("stop requested mid-collection: %d leased rollouts handed back untrained", n)
+      curate(collector, stop, metrics)  # its rates are in the checkpointed tracker
+    state["curated"] = True
+  bsh = NamedSharding(mesh, P(("data", "fsdp")))
+  bar = tqdm(total=FLAGS.steps, initial=state["step"], desc=FLAGS.algo, dynamic_ncols=True, mininterval=1.0,
+             miniters=1, disable=not lead)
+  push_s = 0.0
+  while state["step"] < FLAGS.steps:
+    # 1. Collect a batch of rollout groups (process 0), exactly once.
+    t0 = time.time()
+    got = collector.collect(FLAGS.prompts_per_step, state["version"], stop) if lead else None
+    if lead_says(stop.requested):  # the partial batch was never trained: back to the server, not the checkpoint
+      if lead:
+        collector.hand_back()
       break
     wait_s = time.time() - t0
-    trained_version = state["version"]  # the weights these groups are measured against (before this push)
-    if lead:
-      batch, rewards, lengths = rl_batch(groups, lcfg, tok.pad_id, buckets, FLAGS.max_new_tokens)
-    else:
-      batch, rewards, lengths = None, None, None
+    # 2. Batch: pad and pack on process 0, broadcast to the others.
+    batch, rewards, lengths = (rl_batch(got.groups, lcfg, tok.pad_id, buckets, FLAGS.max_new_tokens) if lead
+                               else (None, None, None))
     batch = broadcast_batch(batch)
+    # 3. Step: one jitted update over the global mesh.
     t1 = time.time()
     params, opt_state, m = train_step(params, opt_state, ref_params, to_global(batch, bsh))
     m = {k: float(v) for k, v in m.items()}  # host sync: the step is done
     step_s = time.time() - t1
     state["step"] += 1
     if lead:
-      ledger.step_done()
-      for pid, r in rated:  # not before: a partial batch handed back on SIGTERM must not count twice
-        tracker.update(pid, r)
-    # A restarted server may have lost our newest version (it persists weights in the background): re-publish.
-    lost = lead and (client.latest_version() < state["version"] or
-                     any(state["version"] not in c.staged()["versions"] for c in shard_clients))
-    if jax.process_count() > 1:
-      lost = bool(multihost_utils.broadcast_one_to_all(np.int32(lost)))
-    if state["step"] % FLAGS.push_every == 0 or state["step"] == FLAGS.steps or lost:
-      publish()
-    if state["step"] % FLAGS.checkpoint_every == 0 or state["step"] == FLAGS.steps:
-      checkpoint()
+      collector.step_done()
+    trained_version = state["version"]  # the weights these groups are measured against (before this push)
+    # 4. Publish the new weights to the workers (again if a restarted server lost them).
+    last = state["step"] == FLAGS.steps
+    if state["step"] % FLAGS.push_every == 0 or last or weights_lost(servers, state["version"]):
+      t2 = time.time()
+      state["version"] = publish(servers, state["version"], params["policy"], meta)
+      push_s = time.time() - t2
+    # 5. Checkpoint (asynchronous; the rollouts it records are acked once it commits) and export.
+    if state["step"] % FLAGS.checkpoint_every == 0 or last:
+      checkpoint(ckpt, collector, state, params, opt_state)
     if FLAGS.export_every and state["step"] % FLAGS.export_every == 0:
       export_hf(os.path.join(FLAGS.run_dir, "exports", f"step_{state['step']:06d}"), cfg, params["policy"],
                 tokenizer_src=FLAGS.tokenizer)
+    # 6. Log.
     if lead:
-      lag = trained_version - np.asarray([int(g["version"]) for g in groups])
-      rec = dict(step=state["step"], time=time.time(), lr=float(lr_schedule(state["step"] - 1)),
-                 reward=float(rewards.mean()), reward_std=float(rewards.std()),
-                 truncated_frac=float((lengths >= FLAGS.max_new_tokens).mean()),
-                 pass_rate=float((rewards > 0.5).mean()),
-                 completion_len=float(lengths.mean()), staleness_mean=float(lag.mean()),
-                 staleness_max=int(lag.max()), stale_dropped=n_stale,
-                 zero_var_dropped=n_dropped, duplicates_skipped=n_dup, quarantined=len(state["quarantined"]),
-                 band_skipped=state["band_skipped"],
-                 wait_s=wait_s, step_s=step_s,
-                 push_s=push_s, tokens_per_s=float(batch["loss_mask"].sum()) / max(step_s, 1e-9),
-                 version=state["version"], rollout_ids=[g["id"] for g in groups], skipped_ids=skipped, **m)
-      # Weight sync and load as the workers saw them: each rollout carries its worker's newest pull
-      # (shards.pull with a delta base; delta_frac = bytes moved / bytes of a full pull) and its rates over the
-      # last 30 s (decode busy fraction, tokens/s, waits); the mean over this step's groups. With the trainer's
-      # own wait fraction they say which side to grow (plot.py's balance line, docs/GUIDE.md "Sizing").
-      for k in ("pull_bytes", "pull_s", "delta_frac", "worker_busy_frac", "worker_tok_s", "worker_wait_prompts_frac",
-                "worker_wait_send_frac"):
-        vals = [g[k] for g in groups if k in g]
-        if vals:
-          rec[k] = float(np.mean(vals))
-      # Tokens a preempted worker generated and handed back (partial rollouts) that another worker continued.
-      rec.update(resumed_tokens=int(sum(g.get("resumed_tokens", 0) for g in groups)),
-                 workers=len({g.get("worker") for g in groups}),
-                 trainer_wait_frac=wait_s / max(wait_s + step_s + push_s, 1e-9))
+      rec = step_record(state, got, collector, trained_version, rewards, lengths, batch, m,
+                        dict(wait_s=wait_s, step_s=step_s, push_s=push_s))
       metrics.write(rec)
       bar.update(1)
       bar.set_postfix(reward=f"{rec['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", ent=f"{m.get('entropy', 0):.3f}")
-  checkpoint(final=True)
+  checkpoint(ckpt, collector, state, params, opt_state, final=True)
   ckpt.close()
   if state["step"] >= FLAGS.steps:
     out = os.path.join(FLAGS.run_dir, "final")

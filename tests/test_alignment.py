@@ -72,7 +72,7 @@ def test_decode_replay_reproduces_engine_fp32(params, fp32_groups):
   # The bf16-log-softmax variant is emulated by replaying the decode path; in fp32 the replay is the engine.
   rep = ba.replay_logprobs(CFG, params, fp32_groups, dtype=jnp.float32, temperature=1.0)["float32"]
   worst = max(float(np.abs(a - b).max())
-              for g, h in zip(fp32_groups, rep) for a, b in zip(g["logprobs"], h["logprobs"]))
+              for g, h in zip(fp32_groups, rep) for a, b in zip(g.logprobs, h.logprobs))
   assert worst <= FP32_BOUND, worst
 
 

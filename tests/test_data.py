@@ -107,6 +107,25 @@ def test_reference_completion_and_list_tests():
     data.reference_completion(c)
 
 
+def test_a_new_task_is_one_tasks_entry(monkeypatch, tmp_path):
+  # A toy task defined only by its TASKS entry: generation, the eval split, jsonl, verify, SFT reference and the
+  # built-in tokenizer all pick it up by name.
+  double = data.Task(lambda p, c, *_: float(c.strip() == p.answer), lambda p: p.answer, ops="x", default_ops="x",
+                     generate=lambda rng, d, ops, m: (f"{(v := rng.randint(0, 10 ** d))}x2=", str(2 * v)),
+                     tokenizer_levels=(3,), alphabet="0123456789x=")
+  monkeypatch.setitem(data.TASKS, "double", double)
+  tr, ev = (data.make_task_problems("double", 20, difficulty=3, split=s) for s in ("train", "eval"))
+  assert not {p.prompt for p in tr} & {p.prompt for p in ev} and all(p.task == "double" for p in tr + ev)
+  assert all(data.verify(p, data.reference_completion(p)) == 1.0 and data.verify(p, "1") == 0.0 for p in tr[:5])
+  jsonl = tmp_path / "d.jsonl"
+  jsonl.write_text(json.dumps({"id": 1, "prompt": "4x2=", "answer": "8", "task": "double"}) + "\n")
+  assert data.verify(data.load_jsonl(jsonl)[0], " 8\n") == 1.0
+  tok = data.load_tokenizer(data.build_task_tokenizer(tmp_path, "double"))
+  assert tok.decode(tok.encode(tr[0].prompt + tr[0].answer)) == tr[0].prompt + tr[0].answer
+  with pytest.raises(ValueError, match="'arithmetic' or 'countdown' or 'double'"):
+    data.make_task_problems("math", 3)
+
+
 def test_render_prompt():
   p = Problem("1", "12+3=", "15", "arithmetic")
   assert data.render_prompt(p) == "12+3="

@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 import data
+import ledger
 import plot
 import train
 
@@ -39,9 +40,9 @@ def test_pass_band_parsing_and_online_filter():
   t.update("mixed", [1.0, 0.0] * 4)
   t.update("few", [1.0] * 2)  # under min_samples: not judged yet
   band = (0.0, 1.0)
-  assert not train.in_band(t, "solved", band, 8) and train.in_band(t, "mixed", band, 8)
-  assert train.in_band(t, "few", band, 8) and train.in_band(t, "unseen", band, 8)
-  assert train.in_band(t, "solved", None, 8)  # no band: everything is issued
+  assert not ledger.in_band(t, "solved", band, 8) and ledger.in_band(t, "mixed", band, 8)
+  assert ledger.in_band(t, "few", band, 8) and ledger.in_band(t, "unseen", band, 8)
+  assert ledger.in_band(t, "solved", None, 8)  # no band: everything is issued
 
 
 def test_stream_peek_is_what_will_be_issued_and_does_not_advance():

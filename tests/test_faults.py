@@ -115,7 +115,7 @@ def test_worker_survives_a_poison_item_which_is_quarantined(tmp_path):
 
 
 def test_trainer_counts_a_quarantined_prompt_as_done_once():
-  import train
+  import ledger
   srv = ps.Server(ps.ServerConfig(token="t", max_failures=2)).start()
   try:
     c = ps.Client(port=srv.port, token="t", timeout_s=5.0)
@@ -124,17 +124,19 @@ def test_trainer_counts_a_quarantined_prompt_as_done_once():
       assert {x["id"] for x in c.get("prompts", 2)} == {"s0", "s1"}
       c.fail("prompts", ["s0"], "ValueError: prompt of 100 tokens exceeds max_prompt_len=32")
       c.requeue("prompts")  # s1 back (unfinished, not failed)
-    state, ledger = dict(quarantined=[], issued=2), train.RolloutLedger()
-    assert train.note_quarantined(c, state, ledger, lease_s=0.2) == 1
-    assert state["quarantined"] == [dict(id="s0", reason="ValueError: prompt of 100 tokens exceeds "
-                                         "max_prompt_len=32", failures=2)]
-    assert state["issued"] - len(ledger) == 1  # so issue() sends a replacement
+    col = ledger.Collector(c, None, None, None, group_size=1, prefetch_steps=1, lease_s=0.2, wait_s=0.0,
+                           max_staleness=0, dynamic_sampling=False, band=None)
+    col.issued = 2
+    assert col.note_quarantined() == 1
+    assert col.quarantined == [dict(id="s0", reason="ValueError: prompt of 100 tokens exceeds max_prompt_len=32",
+                                    failures=2)]
+    assert col.issued - len(col.ledger) == 1  # so issue() sends a replacement
     time.sleep(0.3)  # the notice's lease expires before the checkpoint acks it: it comes back, counted once
-    assert train.note_quarantined(c, state, ledger, lease_s=0.2) == 0
-    assert len(state["quarantined"]) == 1 and len(ledger) == 1
-    assert ledger.state_dict() == dict(count=1, gens=[["s0"]])
-    ledger.saved()
-    ledger.committed(c)  # the checkpoint recording it committed: the notice is acked
+    assert col.note_quarantined() == 0
+    assert len(col.quarantined) == 1 and len(col.ledger) == 1
+    assert col.ledger.state_dict() == dict(count=1, gens=[["s0"]])
+    col.saved()
+    col.committed()  # the checkpoint recording it committed: the notice is acked
     time.sleep(0.3)  # past the lease: an unacked notice would be back
     assert c.get("prompts.failed", 10) == [] and [x["id"] for x in c.get("prompts", 10)] == ["s1"]
   finally:

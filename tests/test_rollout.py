@@ -334,8 +334,8 @@ def test_hand_back_sends_partials_and_falls_back_to_a_plain_requeue():
     def requeue(self, q, ids):
       self.requeued += ids
 
-  groups = {"a": dict(item=dict(id="a", group_size=3), slots=[0, 1, 2]),
-            "b": dict(item=dict(id="b", group_size=2), slots=[5, 6])}
+  item = lambda gid, G: data.PromptItem(gid, data.Problem(gid, "1+1=", "2"), np.array([2, 5]), G)  # noqa: E731
+  groups = {"a": dict(item=item("a", 3), slots=[0, 1, 2]), "b": dict(item=item("b", 2), slots=[5, 6])}
   c = Client(fail=False)
   rollout.hand_back(c, Eng(), groups)
   assert c.requeued == ["b"] and [it["id"] for it in c.released] == ["a"]

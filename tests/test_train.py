@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import data
 import losses
 import model
 import train
@@ -26,9 +27,10 @@ def groups(n_prompts=2, G=4, seed=0):
   out = []
   for i in range(n_prompts):
     comps = [rng.integers(4, 32, rng.integers(1, 6)).astype(np.int32) for _ in range(G)]
-    out.append(dict(id=f"s{i}", prompt_tokens=rng.integers(4, 32, 3 + i).astype(np.int32), completions=comps,
-                    logprobs=[(-rng.random(len(c))).astype(np.float32) for c in comps],
-                    rewards=rng.integers(0, 2, G).astype(np.float32)))
+    out.append(data.Rollout(id=f"s{i}", version=0, worker="w", problem=data.Problem(f"p{i}", "1+1=", "2"),
+                            prompt_tokens=rng.integers(4, 32, 3 + i).astype(np.int32), completions=comps,
+                            logprobs=[(-rng.random(len(c))).astype(np.float32) for c in comps],
+                            rewards=rng.integers(0, 2, G).astype(np.float32)))
   return out
 
 
@@ -66,14 +68,14 @@ def test_batch_alignment_and_overlong_shaping():
   batch, rewards, lengths = train.rl_batch(g, lcfg, 0, (16,), max_new_tokens=5)
   i = 0
   for grp in g:
-    p = len(grp["prompt_tokens"])
-    for c, lp in zip(grp["completions"], grp["logprobs"]):
+    p = len(grp.prompt_tokens)
+    for c, lp in zip(grp.completions, grp.logprobs):
       np.testing.assert_array_equal(batch["targets"][i, p - 1:p - 1 + len(c)], c)
       np.testing.assert_array_equal(batch["behaviour_logp"][i, p - 1:p - 1 + len(c)], lp)
       assert batch["loss_mask"][i].sum() == len(c)
       i += 1
   # buffer = round(0.2 * 5) = 1: a 5-token completion (at the budget) loses 1, shorter ones nothing.
-  raw = np.stack([grp["rewards"] for grp in g])
+  raw = np.stack([grp.rewards for grp in g])
   np.testing.assert_allclose(rewards - raw, np.where(lengths >= 5, -1.0, 0.0))
 
 
@@ -214,47 +216,3 @@ def test_sft_teacher_slips_only_the_last_digit_at_its_rate():
     assert int(o[-1]) == (int(p.answer[-1]) + s) % 10
   assert all(train.teacher_completion(p, 0.0, rng) == p.answer for p in probs[:100])
   assert train.teacher_completion(data.Problem("x", "1+8=", "9", "arithmetic"), 0.999999, random.Random(1)) == "0"
-
-
-class _FakeQueue:
-  """Just the two calls RolloutLedger makes."""
-
-  def __init__(self):
-    self.acked, self.requeued = [], []
-
-  def ack(self, queue, ids):
-    self.acked += list(ids)
-
-  def requeue(self, queue, ids=None):
-    self.requeued += list(ids)
-
-
-def test_rollout_ledger_consumed_only_when_committed_and_bounded():
-  from train import RolloutLedger
-  q = _FakeQueue()
-  led = RolloutLedger(keep=2)
-  led.load_state_dict(dict(count=1, gens=[["a"]]))  # "a" is in the checkpoint we resumed from
-  assert led.lease("a") == "acked_dup"
-  assert [led.lease(r) for r in ("b", "c", "b")] == ["new", "new", "dup"]
-  led.step_done()  # step trained b and c (or skipped one of them): consumed at the next checkpoint
-  assert led.lease("d") == "new"
-  led.reissued += 1
-  assert led.release(q) == 1 and q.requeued == ["d"]  # SIGTERM mid-collection: d goes back untrained
-  st = led.state_dict()
-  assert st == dict(count=3, gens=[["a"], ["b", "c"]]) and q.acked == []  # d not in it; nothing acked yet
-  led.saved()  # written asynchronously: nothing acked before the commit
-  assert led.lease("c") == "dup" and q.acked == []
-  led.committed(q)
-  assert q.acked == ["b", "c"] and len(led) == 3
-  assert led.lease("d") == "new" and led.lease("c") == "acked_dup"
-  with pytest.raises(AssertionError):
-    led.state_dict()  # never mid-collection
-  led.step_done()
-  for gen in range(3):  # bounded: only the newest `keep` generations of ids are kept
-    led.lease(f"x{gen}")
-    led.step_done()
-    led.saved()
-    led.committed(q)
-  assert led.state_dict() == dict(count=7, gens=[["x2"], []]) and led.lease("b") == "new"
-  with pytest.raises(ValueError, match="RolloutLedger"):
-    led.load_state_dict(["s0"])
