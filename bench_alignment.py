@@ -27,7 +27,7 @@ The model is a tiny random one (init std --init_std, so that its distributions a
 Prompts are random token ids; rewards are zeros (no verifier is involved in log-prob alignment).
 
 Public API (used by tests/test_alignment.py)
-  tiny_config(vocab=256) -> model.Config;   random_params(cfg, seed, init_std) -> fp32 params
+  tiny_config(vocab=256) -> model.Config (its params: model.init_params(cfg, key, std=init_std))
   make_items(n, vocab, seed, min_len=3, max_len=12) -> [(prompt_id, token list)]
   worker_rollouts(cfg, params, items, *, group_size, sc, dtype, mesh=None, attn_impl="ref", seed=0) -> groups
   replay_logprobs(cfg, params, groups, *, dtype, temperature) -> {"float32": groups, "bfloat16": groups}
@@ -75,16 +75,6 @@ def tiny_config(vocab=256):
   # N=8 q heads and V, F divisible by 8 so the 1x1x8 tensor mesh really splits heads, ffw and vocab.
   return model.Config(vocab_size=vocab, d_model=128, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, ffw_dim=256,
                       tie_embeddings=True, arch="Qwen2ForCausalLM", qkv_bias=True)
-
-
-def random_params(cfg, seed=0, init_std=0.02):
-  """model.init_params rescaled to std init_std: a random model at 0.02 has near-uniform next-token
-  distributions, where bf16 drift is unrepresentatively small; a larger std gives peaked logits like a trained
-  model's."""
-  p = model.init_params(cfg, jax.random.PRNGKey(seed))
-  scale = init_std / 0.02
-  keep = lambda path: "norm" in path[-1].key or path[-1].key in ("bq", "bk", "bv")  # noqa: E731
-  return jax.tree_util.tree_map_with_path(lambda path, x: x if keep(path) else x * scale, p)
 
 
 def make_items(n, vocab, seed=0, min_len=3, max_len=12):
@@ -190,7 +180,7 @@ def trainer_logprobs(cfg, params, groups, *, dtype, mesh, temperature, max_new_t
   same batch in the same jit, and its metrics (mismatch_mean / mismatch_max, ratio stats) are returned too.
   Returns (logp [B,T], behaviour_logp [B,T], loss_mask [B,T], metrics dict of floats).
   """
-  batch, _, _ = train.rl_batch(groups, losses.ALGORITHMS["grpo"], 0, train.BUCKETS, max_new_tokens)
+  batch, _, _ = train.rl_batch(groups, losses.ALGORITHMS["grpo"], 0, data.BUCKETS, max_new_tokens)
   master = jax.tree.map(jnp.asarray, _host(params, jnp.float32))  # fp32 master weights, as in run_rl
   kw = dict(cfg=cfg, dtype=jnp.dtype(dtype).name, temperature=float(temperature), attn_impl=attn_impl)
   if mesh is None:
@@ -336,7 +326,7 @@ def main(argv=None):
     cfg, params = model.load_hf_checkpoint(a.checkpoint, dtype=jnp.float32)
   else:
     cfg, params = tiny_config(), None
-    params = random_params(cfg, a.seed, a.init_std)
+    params = model.init_params(cfg, jax.random.PRNGKey(a.seed), std=a.init_std)
   t0 = time.time()
   configs = CONFIGS + (WORKER_TP_CONFIGS if a.worker_tp else ())
   rows = run(cfg, params, configs, n_prompts=a.prompts, group_size=a.group_size, max_new_tokens=a.max_new_tokens,

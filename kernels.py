@@ -37,8 +37,8 @@ Design
     over "tensor"; attention is independent per (batch row, kv head), so each shard runs the kernel on its
     local block via jax.shard_map with no communication. The mesh is `mesh=` if given, else the context mesh
     (jax.set_mesh, as model.py uses); with neither the kernel sees whole arrays (single device). Dims that do
-    not divide follow model.py's fallback: batch drops mesh axes from the end until it divides, heads are
-    replicated over "tensor" unless both N and K divide by it.
+    not divide follow the fallback rule model.py shares (fit_axes): batch drops mesh axes from the end until
+    it divides, heads are replicated over "tensor" unless both N and K divide by it.
 
 Run
   python kernels.py                      # micro-benchmark on the current backend (see RESULTS.md)
@@ -495,15 +495,21 @@ def _resolve_mesh(mesh):
   return mesh
 
 
+def fit_axes(dim, axes, sizes):
+  """The mesh fallback rule (model.logical_spec's too): the longest prefix of `axes` in the mesh (sizes: name ->
+  size) whose product divides dim; the dim is replicated over the rest (batch 2 on data=2 x fsdp=4 -> ["data"])."""
+  cand = [a for a in axes if a in sizes]
+  while cand and dim % math.prod(sizes[a] for a in cand):
+    cand.pop()
+  return cand
+
+
 def _mesh_axes(mesh, B, *heads):
-  """(batch axes, head axis) to split over, with model.py's fallback rule: batch keeps ("data", "fsdp")
-  while B divides by their product (dropping axes from the end); heads split over "tensor" only if every head
-  count divides by it, else they are replicated (each tensor shard then computes all heads)."""
-  batch = [a for a in BATCH_AXES if a in mesh.axis_names]
-  while batch and B % math.prod(mesh.shape[a] for a in batch):
-    batch.pop()
-  head = HEAD_AXIS if HEAD_AXIS in mesh.axis_names and not any(h % mesh.shape[HEAD_AXIS] for h in heads) else None
-  return (tuple(batch) or None), head
+  """(batch axes, head axis) to split over, by fit_axes; heads over "tensor" only if every head count divides by
+  it, else they are replicated (each tensor shard then computes all heads)."""
+  sizes = dict(mesh.shape)
+  head = HEAD_AXIS if all(fit_axes(h, (HEAD_AXIS,), sizes) for h in heads) else None
+  return (tuple(fit_axes(B, BATCH_AXES, sizes)) or None), head
 
 
 def _shard_call(fn, mesh, in_specs, out_specs, *args):

@@ -134,6 +134,8 @@ import zlib
 
 import numpy as np
 
+import fileio
+
 MAGIC = b"RLPS"
 PROTOCOL_VERSION = 1
 PREFIX = struct.Struct("<4sHHIQ")  # magic, protocol version, message type, header len, payload len
@@ -735,7 +737,7 @@ class _Queue:
       os.close(self.log)
     self.log, self.broken = None, True  # until the new log is open and its rename durable
     DISK.point("compact_renamed")
-    _fsync_dir(os.path.dirname(self.path))
+    fileio.fsync_dir(os.path.dirname(self.path))
     self.log = DISK.open_append(self.path)
     self.log_bytes = os.fstat(self.log).st_size
     self.broken = False
@@ -856,14 +858,6 @@ def _seconds(h, key, default, hi, clamp=True):
   if not clamp and x > hi:
     raise ValueError(f"{key}={x} exceeds the limit of {hi} s")
   return min(max(float(x), 0.0), hi)
-
-
-def _fsync_dir(path):
-  fd = os.open(path or ".", os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
 
 
 class Server:
@@ -1609,23 +1603,12 @@ class Server:
         v, self._pending_write = self._pending_write, None
       if v is None:
         return
+      mv = memoryview(v.buf)
       try:
-        tmp = self._weights_path() + ".tmp"
-        with open(tmp, "wb") as f:
-          f.write(v.head)
-          mv = memoryview(v.buf)
-          for i in range(0, len(mv), CHUNK):
-            f.write(mv[i:i + CHUNK])
-          f.flush()
-          os.fsync(f.fileno())
-        os.replace(tmp, self._weights_path())
-        _fsync_dir(self.cfg.run_dir)
+        fileio.write_atomic(self._weights_path(), itertools.chain(
+            [v.head], (mv[i:i + CHUNK] for i in range(0, len(mv), CHUNK))), fsync=True)
       except OSError:  # e.g. disk full: the previous weights.bin stays; the trainer re-publishes after a restart
         log.exception("could not persist weights v%d", v.version)
-        try:
-          os.remove(tmp)  # a partial temp file must not keep holding the space
-        except OSError:
-          pass
 
   def _load_weights(self):
     path = self._weights_path()
@@ -1695,9 +1678,7 @@ def serve(cfg: ServerConfig, port_file=None):
   """
   srv = Server(cfg)
   if port_file:
-    with open(port_file + ".tmp", "w") as f:
-      f.write(f"{srv.port}\n")
-    os.replace(port_file + ".tmp", port_file)
+    fileio.write_atomic(port_file, f"{srv.port}\n")
   done = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: done.set())
@@ -2072,11 +2053,7 @@ def _main():
     if FLAGS.token_file:
       if not os.path.exists(FLAGS.token_file):
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.token_file)), exist_ok=True)
-        tmp = FLAGS.token_file + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-          f.write(secrets.token_hex(32) + "\n")
-        os.replace(tmp, FLAGS.token_file)
+        fileio.write_atomic(FLAGS.token_file, secrets.token_hex(32) + "\n", mode=0o600)
       token = read_token(FLAGS.token_file)
     cfg = ServerConfig(host=FLAGS.host, port=FLAGS.port, token=token, run_dir=FLAGS.run_dir,
                        max_versions=FLAGS.max_versions, max_queue_items=FLAGS.max_queue_items,

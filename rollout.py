@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import data
+import flags_common
 import model
 import shards
 
@@ -141,7 +142,7 @@ class Engine:
   resume() of continued samples, run_chunk(params, version), rows() of the finished slots."""
 
   def __init__(self, cfg, sc: SamplingConfig, slots: int, max_prompt_len: int, chunk_steps: int = 8,
-               attn_impl="auto", prompt_buckets=(16, 32, 64, 128, 256, 512, 1024, 2048)):
+               attn_impl="auto", prompt_buckets=data.BUCKETS[:-1]):  # 16..2048
     self.cfg, self.sc, self.B, self.chunk_steps = cfg, sc, slots, chunk_steps
     self.M, self.max_prompt_len = sc.max_new_tokens, max_prompt_len
     # Prefill lengths: prompts up to max_prompt_len (the same buckets as before partial rollouts, so a fresh
@@ -482,13 +483,12 @@ from absl import app, flags, logging  # noqa: E402  (flags only in the entry poi
 FLAGS = flags.FLAGS
 
 def define_flags():
-  """Flags exist only when this file is the entry point: importing it (tests, other tools) defines none, so
-  train.py and rollout.py can be imported together."""
-  flags.DEFINE_enum("mode", "worker", ["worker", "eval"], "worker: serve the RL run; eval: pass@k of --checkpoint.")
-  flags.DEFINE_string("server", "127.0.0.1:5555", "Parameter server host:port. Default 127.0.0.1:5555.")
-  flags.DEFINE_string("token_file", None, "File holding the server's shared secret (needed to lease/put). Default none.")
-  flags.DEFINE_string("tokenizer", None, "Tokenizer: sentencepiece .model or a dir with tokenizer.json. Required.")
-  flags.DEFINE_string("checkpoint", None, "HF checkpoint dir (eval mode; worker mode waits for pushed weights).")
+  """Called only by main(): importing this file defines no flag (see flags_common)."""
+  flags_common.define_shared_flags(max_new_tokens=16)
+  flags.adopt_module_key_flags(flags_common)
+  flags.DEFINE_enum("mode", "worker", ["worker", "eval"], "worker: serve the RL run; eval: pass@k of --checkpoint. "
+                    "Default worker.")
+  flags.DEFINE_string("checkpoint", None, "HF checkpoint dir (eval; a worker waits for pushed weights). Default none.")
   flags.DEFINE_string("worker_id", None, "Name used in logs and rollout records. Default host-pid.")
   flags.DEFINE_integer("tensor_parallel", 1, "Local devices the worker shards its weights over (tensor axis); it "
                        "pulls only the slices they hold (reshard on pull). Default 1.")
@@ -498,24 +498,12 @@ def define_flags():
                        "sampling settings (it does: the longest prompt it kept). Default 64.")
   flags.DEFINE_bool("math_strict", True, "task=math: reward only a \\boxed{} answer (math-verify compares it); "
                     "False also takes 'answer is X', '#### X' or the last number. Default True.")
-  # Sampling flags apply to eval mode; a worker samples with the trainer's settings, which travel with the
-  # weights (so the trainer always scores the distribution the workers sampled from).
-  flags.DEFINE_integer("max_new_tokens", 16, "Eval: completion budget in tokens. Default 16.")
-  flags.DEFINE_float("temperature", 1.0, "Eval: sampling temperature (0 = greedy). Default 1.0.")
-  flags.DEFINE_integer("top_k", 0, "Eval: top-k truncation (0 = off). Default 0.")
-  flags.DEFINE_float("top_p", 1.0, "Eval: top-p (nucleus) mass (1 = off). Default 1.0.")
-  flags.DEFINE_integer("max_staleness", 4, "Regenerate groups more than this many policy versions old. Default 4.")
   flags.DEFINE_float("lease_s", 120.0, "Seconds a leased prompt stays ours before the server re-issues it. Default 120.")
   flags.DEFINE_float("drain_s", 10.0, "On SIGTERM, seconds spent finishing in-flight groups. Default 10.")
   flags.DEFINE_integer("verifier_workers", 2, "Verifier process-pool size. Default 2.")
   flags.DEFINE_float("verifier_timeout_s", 10.0, "Per-completion verifier timeout in seconds. Default 10.")
-  flags.DEFINE_integer("server_retries", 30, "Reconnect attempts (exponential backoff, max 2 s apart) before giving up "
-                       "on the server. Default 30.")
-  flags.DEFINE_integer("seed", 0, "Sampling seed (folded with the prompt id). Default 0.")
   flags.DEFINE_integer("max_failures_in_a_row", 8, "Prompts that may fail (reported to the server) in a row before "
                        "the worker treats itself as broken and exits (count). Default 8.")
-  flags.DEFINE_string("attn_impl", "auto", "Attention path: auto (Pallas on TPU), ref or pallas. Default auto.")
-  flags.DEFINE_string("template", "plain", "Prompt template passed to data.render_prompt. Default plain.")
   # Eval mode.
   flags.DEFINE_string("eval_task", "arithmetic", "Built-in task for eval (ignored with --eval_jsonl). Default arithmetic.")
   flags.DEFINE_integer("eval_difficulty", 3, "Built-in task difficulty for eval. Default 3.")
@@ -530,12 +518,10 @@ def define_flags():
   positive = lambda v: math.isfinite(v) and v > 0  # noqa: E731
   for name, ok, rule in (
       ("slots", at_least(1), ">= 1"), ("chunk_steps", at_least(1), ">= 1"), ("max_prompt_len", at_least(1), ">= 1"),
-      ("max_new_tokens", at_least(1), ">= 1"), ("top_k", at_least(0), ">= 0 (0 = off)"),
-      ("max_staleness", at_least(0), ">= 0"), ("verifier_workers", at_least(0), ">= 0 (0 = inline)"),
-      ("server_retries", at_least(0), ">= 0"), ("eval_difficulty", at_least(1), ">= 1"),
+      ("verifier_workers", at_least(0), ">= 0 (0 = inline)"), ("eval_difficulty", at_least(1), ">= 1"),
       ("eval_n", at_least(1), ">= 1"), ("k", at_least(1), ">= 1"),
       ("temperature", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0 (0 = greedy)"),
-      ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("lease_s", positive, "finite and > 0"),
+      ("lease_s", positive, "finite and > 0"),
       ("drain_s", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
       ("verifier_timeout_s", positive, "finite and > 0")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")

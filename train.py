@@ -41,17 +41,15 @@ from absl import app, flags, logging
 FLAGS = flags.FLAGS
 
 def define_flags():
-  """Flags exist only when this file is the entry point: importing it (tests, other tools) defines none, so
-  train.py and rollout.py can be imported together."""
+  """Called only by main(): importing this file defines no flag (see flags_common)."""
+  flags_common.define_shared_flags(max_new_tokens=8)
+  flags.adopt_module_key_flags(flags_common)
   flags.DEFINE_enum("mode", "rl", ["rl", "sft"], "rl: RL from rollouts; sft: supervised warm-start. Default rl.")
   flags.DEFINE_string("run_dir", "runs/local", "Directory for checkpoints, metrics and the final model. Default runs/local.")
-  flags.DEFINE_string("server", "127.0.0.1:5555", "Parameter server host:port. Default 127.0.0.1:5555.")
   flags.DEFINE_string("shard_servers", "", "Comma-separated host:port of the shard servers; trainer process i "
                       "stages its shards on entry i % S, the manifest goes to --server; self:PORT = the server on each "
                       "process's own host (a pod). Default empty: --server alone (S=1).")
-  flags.DEFINE_string("token_file", None, "File with the server's shared secret (push needs it). Default none.")
   flags.DEFINE_string("init_checkpoint", None, "HF checkpoint dir of the initial policy (rl mode). Required for rl.")
-  flags.DEFINE_string("tokenizer", None, "Tokenizer (.model or dir with tokenizer.json). Required.")
   # Data.
   flags.DEFINE_string("task", "arithmetic", "Built-in task when --train_jsonl is not given. Default arithmetic.")
   flags.DEFINE_integer("difficulty", 3, "Built-in task difficulty. Default 3.")
@@ -59,14 +57,11 @@ def define_flags():
                       "none: the task's own (arithmetic +-, countdown +-*).")
   flags.DEFINE_string("train_jsonl", None, "jsonl prompt file (id, prompt, answer[, task, tests]). Default none.")
   flags.DEFINE_integer("train_size", 8000, "Number of built-in training problems generated. Default 8000.")
-  flags.DEFINE_string("template", "plain", "Prompt template (data.render_prompt): plain, chatml or hf (the "
-                      "checkpoint's own chat_template from --tokenizer's tokenizer_config.json). Default plain.")
   flags.DEFINE_string("jsonl_shape", "auto", "Record shape of --train_jsonl (data.load_jsonl): auto, prompt, "
                       "messages, gsm8k, math. Default auto (detected per line).")
   flags.DEFINE_integer("max_seq_len", 0, "Longest prompt + completion in tokens; a prompt that cannot fit with "
                        "--max_new_tokens is skipped at load (logged with file:line). 0 = the checkpoint's "
                        "max_position_embeddings. Default 0.")
-  flags.DEFINE_integer("seed", 0, "Seed for data order and init. Default 0.")
   # RL.
   flags.DEFINE_string("algo", "grpo", "Loss preset from losses.ALGORITHMS (grpo, dr_grpo, dapo, gspo, cispo, ppo, rloo, "
                       "reinforce_pp). Default grpo.")
@@ -75,7 +70,6 @@ def define_flags():
   flags.DEFINE_integer("prompts_per_step", 16, "Prompt groups per optimizer step. Default 16.")
   flags.DEFINE_integer("group_size", 8, "Samples per prompt (G). Default 8.")
   flags.DEFINE_integer("prefetch_steps", 2, "Steps worth of prompts kept issued ahead of training. Default 2.")
-  flags.DEFINE_integer("max_staleness", 4, "Max policy-version lag of a trained rollout. Default 4.")
   flags.DEFINE_bool("dynamic_sampling", False, "Drop zero-variance groups and refill (DAPO). Default False.")
   flags.DEFINE_integer("curate_prompts", 0, "Offline curation before RL (the paper's pass-rate band): the stream's "
                        "next N prompts get group_size samples of the base policy through the workers (scored, never "
@@ -84,8 +78,6 @@ def define_flags():
   flags.DEFINE_string("pass_band", "", "low,high pass rates: keep prompts with low < rate < high, offline "
                       "(--curate_prompts) and online (a prompt whose tracked pass rate left the band is not issued "
                       "again). Empty = off. Default empty.")
-  flags.DEFINE_integer("max_new_tokens", 8, "Workers' completion budget in tokens, sent with the weights (also DAPO "
-                       "overlong shaping). Default 8.")
   flags.DEFINE_integer("ppo_epochs", 1, "Passes over each batch (PPO epochs); >1 recomputes the proximal log-probs "
                        "(and, for ppo, the values V_old that fix the GAE advantages) once per batch for the clip. "
                        "Default 1.")
@@ -96,11 +88,6 @@ def define_flags():
   flags.DEFINE_float("value_clip", 0.0, "PPO value clipping (GAE only): bound on |V - V_old| in absolute value units "
                      "(returns are rewards, not normalised), V_old = the value head before the step's first update; a "
                      "no-op with --ppo_epochs=1 --minibatches=1. 0 = off. Default 0.")
-  flags.DEFINE_float("temperature", 1.0, "Workers' sampling temperature, sent with the weights; the loss scores "
-                     "log-probs at it. Default 1.0.")
-  flags.DEFINE_integer("top_k", 0, "Workers' top-k (0 = off), sent with the weights. Default 0.")
-  flags.DEFINE_float("top_p", 1.0, "Workers' top-p (1 = off), sent with the weights; with truncation set a tis_cap "
-                     "override. Default 1.0.")
   flags.DEFINE_float("lr", 1e-4, "Peak learning rate. Default 1e-4.")
   flags.DEFINE_integer("warmup_steps", 5, "Linear warmup steps, then cosine decay to 10%. Default 5.")
   flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay. Default 0.")
@@ -120,13 +107,10 @@ def define_flags():
   flags.DEFINE_float("get_wait_s", 2.0, "Seconds one rollout lease call may block. Default 2.")
   flags.DEFINE_float("rollout_lease_s", 600.0, "Rollout lease on the server, seconds (must outlast checkpoint_every "
                      "steps). Default 600.")
-  flags.DEFINE_string("attn_impl", "auto", "Attention path: auto, ref or pallas. Default auto.")
   flags.DEFINE_bool("remat", False, "Recompute each layer's activations in the backward pass (keeps only the "
                     "per-layer residual [B,T,D]; ~1/3 more step FLOPs). Default False.")
   flags.DEFINE_integer("logprob_chunk", 0, "Sequence positions per chunk of the log-prob/entropy computation, so the "
                        "fp32 [B,T,V] logits are never formed (0 = whole sequence at once). Default 0.", lower_bound=0)
-  flags.DEFINE_integer("server_retries", 30, "Reconnect attempts (exponential backoff, max 2 s apart) before giving up on "
-                       "the server. Default 30.")
   flags.DEFINE_string("mesh", "1,1,-1", "data,fsdp,tensor mesh shape; one -1 takes the remaining devices. Default 1,1,-1.")
   # Multi-process.
   flags.DEFINE_integer("num_processes", 1, "JAX processes in the trainer (0 = auto-detect on a TPU slice). Default 1.")
@@ -153,17 +137,14 @@ def define_flags():
   for name, ok, rule in (
       ("steps", at_least(1), ">= 1"), ("prompts_per_step", at_least(1), ">= 1"), ("group_size", at_least(1), ">= 1"),
       ("prefetch_steps", at_least(1), ">= 1 (0 issues no prompts: the trainer would wait forever)"),
-      ("max_staleness", at_least(0), ">= 0 (a negative bound makes every rollout stale)"),
-      ("max_new_tokens", at_least(1), ">= 1 (workers need a completion budget)"),
       ("grad_accum", at_least(1), ">= 1"), ("push_every", at_least(1), ">= 1"),
       ("checkpoint_every", at_least(1), ">= 1"), ("keep_checkpoints", at_least(1), ">= 1"),
-      ("warmup_steps", at_least(0), ">= 0"), ("top_k", at_least(0), ">= 0 (0 = off)"),
+      ("warmup_steps", at_least(0), ">= 0"),
       ("sft_steps", at_least(1), ">= 1"), ("sft_batch", at_least(1), ">= 1"), ("train_size", at_least(1), ">= 1"),
-      ("difficulty", at_least(1), ">= 1"), ("server_retries", at_least(0), ">= 0"),
+      ("difficulty", at_least(1), ">= 1"),
       ("temperature", positive, "finite and > 0"), ("lr", positive, "finite and > 0"),
       ("sft_lr", positive, "finite and > 0"), ("get_wait_s", positive, "finite and > 0"),
       ("rollout_lease_s", positive, "finite and > 0"), ("grad_clip", positive, "finite and > 0"),
-      ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
       ("weight_decay", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
       ("sft_target_loss", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0 (0 = off)"),
       ("sft_slip", lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -190,6 +171,8 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import data  # noqa: E402
+import fileio  # noqa: E402
+import flags_common  # noqa: E402
 import ledger  # noqa: E402
 import losses  # noqa: E402
 import model  # noqa: E402
@@ -527,9 +510,9 @@ def seq_budget(cfg):
 
 
 def buckets_for(max_len):
-  """Padded batch lengths: the default power-of-two buckets, extended (x2) until max_len fits, so 8k-32k
-  sequences get a bucket (compiled shapes stay few: one per power of two)."""
-  b = list(BUCKETS)
+  """Padded batch lengths: data.BUCKETS, extended (x2) until max_len fits, so 8k-32k sequences get a bucket
+  (compiled shapes stay few: one per power of two)."""
+  b = list(data.BUCKETS)
   while b[-1] < max_len:
     b.append(b[-1] * 2)
   return tuple(b)
@@ -540,9 +523,7 @@ def write_flags_once(run_dir, name="flags.json"):
   path = os.path.join(run_dir, name)
   if not os.path.exists(path):
     vals = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
-    with open(path + ".tmp", "w") as f:
-      json.dump(vals, f, indent=1, sort_keys=True, default=str)
-    os.rename(path + ".tmp", path)
+    fileio.write_atomic(path, json.dumps(vals, indent=1, sort_keys=True, default=str))
 
 
 def parse_band(spec):
@@ -696,9 +677,6 @@ def run_sft():
 # Fields of a training batch, in the order broadcast_batch sends them.
 BATCH_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "behaviour_logp", "token_rewards",
               "advantages")
-# Row lengths a batch pads to. 16 first: a built-in arithmetic row (bos, prompt, answer, eos) is <= 12 tokens, and
-# padding it to 16 rather than 32 halves the demo's SFT and RL step time.
-BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def broadcast_batch(batch):

@@ -4,6 +4,7 @@ against the trainer's recomputation (train.rl_batch + the ops of train.rl_loss),
 Fails when fp32 drift exceeds 1e-5 per token, when scoring at the sampling temperature stops giving ratio 1,
 or when the bf16 alignment measures stop beating the unaligned variants they are documented to improve on.
 """
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ FP32_BOUND = 1e-5  # per-token |logp_train - logp_infer|, SPEC "Numerical alignm
 
 @pytest.fixture(scope="module")
 def params():
-  return ba.random_params(CFG, 0, init_std=0.1)
+  return model.init_params(CFG, jax.random.PRNGKey(0), std=0.1)
 
 
 @pytest.fixture(scope="module")
