@@ -57,7 +57,7 @@ def trainer(a, n, i, port, servers, ckpt_dir):
   import jax.numpy as jnp
   import model
   import shards
-  import train
+  import learner
   from multiproc_helper import init, tiny
   init(n, i, port)
   mesh = model.make_mesh(1, jax.device_count(), 1)
@@ -83,11 +83,11 @@ def trainer(a, n, i, port, servers, ckpt_dir):
       rec["publish_rss_growth_mb"] = max(rec.get("publish_rss_growth_mb", 0), rss_mb("VmHWM") - base)
     rec["times"][S] = statistics.median(ts)
     rec["sent_mb"] = sent / 2**20
-  opt = train.make_optimizer(1e-3, 1, 10, 0.0, 1.0)
+  opt = learner.make_optimizer(1e-3, 1, 10, 0.0, 1.0)
   opt_state = jax.tree.map(jnp.copy, opt.init(params))
   jax.block_until_ready(opt_state)
   rec["full_state_mb"] = 3 * rec["full_model_mb"]
-  c = train.Checkpointer(ckpt_dir, keep=1)
+  c = learner.Checkpointer(ckpt_dir, keep=1)
   base = rss_mb()
   reset_peak()
   t = time.perf_counter()

@@ -5,10 +5,10 @@ What is measured, in one run:
          first, taken before and again after the training steps (best of both, as the load on a shared box
          moves): the ceiling XLA's CPU backend reaches on this box.  Also timed: the model's largest matmul
          shape ([B*T,D] x [D,F], the MLP up-projection) as the ceiling for matmuls of this size.
-  step   train.make_train_step(train.make_optimizer(...), train.rl_loss, grad_accum=1) jitted with donated
+  step   learner.make_train_step(learner.make_optimizer(...), learner.rl_loss, grad_accum=1) jitted with donated
          params/optimizer state exactly as train.run_rl builds it, fp32, on one device, losses.ALGORITHMS
          [--algo] (GRPO by default; --kl_coef > 0 adds the frozen reference forward, as the trainer does) on a
-         synthetic batch from train.rl_batch: B/G groups of G completions, prompts of T/2 and completions of T/2
+         synthetic batch from learner.rl_batch: B/G groups of G completions, prompts of T/2 and completions of T/2
          random tokens, so every row is exactly T tokens (no padding).  Compile is excluded (one warm-up step,
          reported as compile_s, compile included); best and median of --steps steps, each ended by a host
          sync on its outputs.
@@ -47,7 +47,7 @@ import bench_decode  # random_params, the shape flags
 import data
 import losses
 import model
-import train  # defines absl flags at import; nothing here parses or reads them
+import learner
 
 
 def parse_args(argv=None):
@@ -234,14 +234,14 @@ def memory_table(a, cfg, lcfg, optimizer, params, opt_state, ref_params, n_param
   for T in (int(x) for x in a.memory_seq_lens.split(",")):
     batch = {k: jax.ShapeDtypeStruct((a.batch, T), jnp.float32 if k in ("loss_mask", "behaviour_logp",
                                                                         "token_rewards") else jnp.int32)
-             for k in train.BATCH_KEYS if k != "advantages"}
+             for k in learner.BATCH_KEYS if k != "advantages"}
     batch["advantages"] = jax.ShapeDtypeStruct((a.batch,), jnp.float32)
     per = []
     for remat, chunk in ((False, 0), (True, 0), (False, a.logprob_chunk), (True, a.logprob_chunk)):
-      fn = lambda p, r, b, remat=remat, chunk=chunk: train.rl_loss(  # noqa: E731
+      fn = lambda p, r, b, remat=remat, chunk=chunk: learner.rl_loss(  # noqa: E731
           p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0, compute_dtype=jnp.float32, attn_impl="auto",
           value_coef=0.5, remat=remat, logprob_chunk=chunk)
-      step = jax.jit(train.make_train_step(optimizer, fn, 1), donate_argnums=(0, 1))
+      step = jax.jit(learner.make_train_step(optimizer, fn, 1), donate_argnums=(0, 1))
       mem = step.lower(params, opt_state, ref_params, batch).compile().memory_analysis()
       per.append(mem.temp_size_in_bytes / (a.batch * T))
     rows.append(dict(seq_len=T, temp_bytes_per_token=dict(zip(("plain", "remat", "chunk", "both"), per))))
@@ -269,15 +269,15 @@ def main(argv=None):
   policy_host = jax.device_get(policy)  # the PyTorch reference starts from these (ours are donated)
   n_params = sum(x.size for x in jax.tree.leaves(policy))
   params = dict(policy=policy, value=None)
-  optimizer = train.make_optimizer(1e-4, 5, 100, 0.0, 1.0)
+  optimizer = learner.make_optimizer(1e-4, 5, 100, 0.0, 1.0)
   # As in train.run_rl: copies make donation safe where optax shares buffers between state leaves.
   # Setup under jit: eagerly, every small op would compile on its own (seconds in all on a busy box).
   opt_state = jax.jit(lambda p: jax.tree.map(jnp.copy, optimizer.init(p)))(params)
   ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(policy) if lcfg.kl_coef > 0 else None
-  loss_fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0,  # noqa: E731
+  loss_fn = lambda p, r, b: learner.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0,  # noqa: E731
                                           compute_dtype=jnp.float32, attn_impl="auto", value_coef=0.5)
-  step = jax.jit(train.make_train_step(optimizer, loss_fn, 1), donate_argnums=(0, 1))
-  batch, _, _ = train.rl_batch(synthetic_groups(a, rng), lcfg, 0, (T,), T // 2)
+  step = jax.jit(learner.make_train_step(optimizer, loss_fn, 1), donate_argnums=(0, 1))
+  batch, _, _ = learner.rl_batch(synthetic_groups(a, rng), lcfg, 0, (T,), T // 2)
   assert batch["tokens"].shape == (B, T), batch["tokens"].shape
   batch = jax.tree.map(jnp.asarray, batch)
 
@@ -305,7 +305,7 @@ def main(argv=None):
   f_tok = forward_flops_per_token(cfg, T)
   step_flops = B * T * f_tok * (3 + (lcfg.kl_coef > 0))
   # Cross-check of the formula against the traced step (tracing only, no compile).
-  traced = jaxpr_matmul_flops(jax.make_jaxpr(train.make_train_step(optimizer, loss_fn, 1))(
+  traced = jaxpr_matmul_flops(jax.make_jaxpr(learner.make_train_step(optimizer, loss_fn, 1))(
       params, opt_state, ref_params, batch))
   best, med = min(times), statistics.median(times)
   res = dict(

@@ -57,7 +57,7 @@ Public API
   save_hf_checkpoint(path, cfg, params, dtype=None, *, max_shard_bytes=4 GiB)
   LOGICAL_RULES, make_mesh(data, fsdp, tensor, devices=None), logical_spec(axes, shape, mesh),
   param_axes(cfg), param_specs(cfg, mesh=None), param_shardings(cfg, mesh), shard_params(params, cfg, mesh),
-  cache_axes(), shard_cache(cache, mesh)
+  cache_axes()
 
 Run
   XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python -m pytest -q tests/test_model.py
@@ -347,11 +347,6 @@ def cache_axes():
           "v": ("layers", "batch", "cache_seq", "kv_heads", "head_dim"), "lengths": ("batch",)}
 
 
-def shard_cache(cache, mesh):
-  axes = cache_axes()
-  return {n: jax.device_put(a, NamedSharding(mesh, logical_spec(axes[n], a.shape, mesh))) for n, a in cache.items()}
-
-
 # ----------------------------------------------------------------------------------------------------- Params
 
 def init_params(cfg, key, dtype=jnp.float32, std=0.02, normal=None, zero_bias=True):
@@ -535,7 +530,7 @@ def forward(params, cfg, tokens, positions=None, segment_ids=None, *, attn_impl=
 # --------------------------------------------------------------------------------------------------- KV cache
 
 def init_cache(cfg, batch, max_len, dtype=jnp.float32):
-  """Empty cache: k, v [L,B,S,K,H] zeros, lengths [B] int32 zeros. Shard it with shard_cache."""
+  """Empty cache: k, v [L,B,S,K,H] zeros, lengths [B] int32 zeros."""
   shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "lengths": jnp.zeros((batch,), jnp.int32)}
 

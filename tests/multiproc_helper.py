@@ -76,14 +76,14 @@ def ckpt(n, i, port, d, start, stop, save_at):
   from jax.sharding import NamedSharding, PartitionSpec as P
   import losses
   import model
-  import train
+  import learner
   init(n, i, port)
   mesh = model.make_mesh(1, jax.device_count(), 1)
   jax.set_mesh(mesh)
   cfg, params = tiny(0, mesh)
-  opt = train.make_optimizer(1e-2, 1, 20, 0.0, 1.0)
+  opt = learner.make_optimizer(1e-2, 1, 20, 0.0, 1.0)
   opt_state = jax.tree.map(jnp.copy, opt.init(params))
-  c = train.Checkpointer(d, keep=2)
+  c = learner.Checkpointer(d, keep=2)
   if start:
     params, opt_state, st = c.restore(params, opt_state)
     assert st["step"] == start, st
@@ -105,7 +105,7 @@ def ckpt(n, i, port, d, start, stop, save_at):
     tok = rng.integers(0, cfg.vocab_size, (8, 17)).astype(np.int32)
     b = dict(tokens=tok[:, :-1], targets=tok[:, 1:], positions=np.tile(np.arange(16, dtype=np.int32), (8, 1)),
              segment_ids=np.ones((8, 16), np.int32))
-    params, opt_state, loss = step(params, opt_state, train.to_global(b, bsh))
+    params, opt_state, loss = step(params, opt_state, learner.to_global(b, bsh))
     print("LOSS", s + 1, repr(float(loss)), flush=True)
     if s + 1 == save_at:
       c.save(s + 1, params, opt_state, dict(step=s + 1))

@@ -12,7 +12,7 @@ import bench_decode
 import bench_train
 import losses
 import model
-import train
+import learner
 
 
 def _positive(x):
@@ -70,12 +70,12 @@ def test_train_flops_count_the_reference_forward():
                      tie_embeddings=True)
   lcfg = dataclasses.replace(losses.ALGORITHMS["grpo"], kl_coef=0.04)
   params = jax.eval_shape(lambda: dict(policy=model.init_params(cfg, jax.random.PRNGKey(0)), value=None))
-  opt = train.make_optimizer(1e-4, 5, 100, 0.0, 1.0)
-  loss_fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0,  # noqa: E731
+  opt = learner.make_optimizer(1e-4, 5, 100, 0.0, 1.0)
+  loss_fn = lambda p, r, b: learner.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0,  # noqa: E731
                                           compute_dtype=jnp.float32, attn_impl="auto", value_coef=0.5)
-  batch, _, _ = train.rl_batch(bench_train.synthetic_groups(a, np.random.default_rng(0)), lcfg, 0,
+  batch, _, _ = learner.rl_batch(bench_train.synthetic_groups(a, np.random.default_rng(0)), lcfg, 0,
                                (a.seq_len,), a.seq_len // 2)
-  jaxpr = jax.make_jaxpr(train.make_train_step(opt, loss_fn, 1))(
+  jaxpr = jax.make_jaxpr(learner.make_train_step(opt, loss_fn, 1))(
       params, jax.eval_shape(opt.init, params), params["policy"], batch)
   assert bench_train.jaxpr_matmul_flops(jaxpr) == a.batch * a.seq_len * 4 * bench_train.forward_flops_per_token(
       cfg, a.seq_len)

@@ -9,7 +9,7 @@ import pytest
 import data
 import ledger
 import plot
-import train
+import learner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,9 +32,9 @@ def test_demo_settings_do_not_depend_on_the_callers_environment():
 
 
 def test_pass_band_parsing_and_online_filter():
-  assert train.parse_band("0,1") == (0.0, 1.0) and train.parse_band("0.1,0.9") == (0.1, 0.9)
+  assert learner.parse_band("0,1") == (0.0, 1.0) and learner.parse_band("0.1,0.9") == (0.1, 0.9)
   for bad in ("", "0.5", "a,b", "0.6,0.4", "-0.1,1", "0,1.5"):  # refused at flag parsing (test_validation)
-    assert train.parse_band(bad) is None, bad
+    assert learner.parse_band(bad) is None, bad
   t = data.PassRateTracker()
   t.update("solved", [1.0] * 8)
   t.update("mixed", [1.0, 0.0] * 4)

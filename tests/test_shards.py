@@ -136,8 +136,8 @@ def test_kill_during_async_checkpoint_leaves_the_previous_one_valid(tmp_path):
   script = f"""
 import os, signal, sys
 sys.path.insert(0, {ROOT!r})
-import jax, jax.numpy as jnp, train
-c = train.Checkpointer({d!r}, keep=3)
+import jax, jax.numpy as jnp, learner
+c = learner.Checkpointer({d!r}, keep=3)
 big = dict(w=jnp.ones((4096, 4096)), b=jnp.zeros((8,)))  # 64 MiB: the write is still in flight below
 c.save(1, big, dict(m=big["b"]), dict(step=1)); c.wait()
 c.save(2, jax.tree.map(lambda x: x + 1, big), dict(m=big["b"] + 1), dict(step=2))
@@ -146,9 +146,9 @@ os.kill(os.getpid(), signal.SIGKILL)
   p = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT)
   assert p.returncode == -9
   import jax.numpy as jnp
-  import train
+  import learner
   like = dict(w=jnp.zeros((4096, 4096)), b=jnp.ones((8,)))
-  params, opt, st = train.Checkpointer(d, keep=3).restore(like, dict(m=like["b"]))
+  params, opt, st = learner.Checkpointer(d, keep=3).restore(like, dict(m=like["b"]))
   assert st == dict(step=1) and float(params["w"][7, 7]) == 1.0 and float(opt["m"][0]) == 0.0
 
 

@@ -19,7 +19,7 @@ import data
 import model
 import param_server as ps
 import plot
-import train
+import learner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 48  # the last kill (server) lands at step >= 34 with the workers paused: the run still has steps to go
@@ -234,7 +234,7 @@ def check_exactly_once(run, steps):
   assert len(trained) == len(set(trained)) == steps * 2, "a rollout was trained twice in the final lineage"
   skipped = [rid for s in sorted(skipped) for rid in skipped[s]]
 
-  state = train.read_state(os.path.join(run, "ckpt"))
+  state = learner.read_state(os.path.join(run, "ckpt"))
   assert state["step"] == steps
   # Exactly once: consumed = trained + skipped (stale / zero-variance), disjoint, nothing consumed untrained.
   # The checkpoint keeps a bounded record (count + the newest generations); the metrics log has every id.
