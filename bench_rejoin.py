@@ -9,7 +9,6 @@ Prints every sample, then median and min-max of both sides.
 
   python bench_rejoin.py --reps=3
 """
-import json
 import os
 import statistics
 import subprocess
@@ -24,6 +23,7 @@ from absl import app, flags
 import data
 import model
 import param_server as ps
+import shards
 
 flags.DEFINE_integer("reps", 3, "Interleaved rounds (count, default 3).")
 flags.DEFINE_string("model_config", "d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,ffw_dim=512",
@@ -42,17 +42,13 @@ def setup(tmp):
             intermediate_size=int(kw["ffw_dim"]), max_position_embeddings=128, rope_theta=10000.0,
             rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
   cfg = model.Config.from_hf_dict(hf)
-  params = jax.device_get(model.init_params(cfg, jax.random.PRNGKey(0)))
-  flat = ps.flatten(params)
-  flat["__config__"] = np.frombuffer(json.dumps(cfg.to_hf_dict()).encode(), np.uint8)
-  flat["__sampling__"] = np.frombuffer(json.dumps(dict(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8))
-                                       .encode(), np.uint8)
-  return tok_path, tok, flat
+  # What the trainer publishes: the weights, with the model config and sampling settings as manifest header fields.
+  meta = dict(config=cfg.to_hf_dict(), sampling=dict(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8))
+  return tok_path, tok, model.init_params(cfg, jax.random.PRNGKey(0)), meta
 
 
 def one_rejoin(client, port, token_file, tok_path, tok, problems, cache_dir, tag):
-  items = [dict(id=f"{tag}-{p.id}", prompt_id=p.id, prompt=p.prompt, answer=p.answer, task=p.task, tests=None,
-                group_size=4, prompt_tokens=np.asarray(tok.encode(p.prompt, add_bos=True), np.int32))
+  items = [data.PromptItem(f"{tag}-{p.id}", p, np.asarray(tok.encode(p.prompt, add_bos=True), np.int32), 4).to_wire()
            for p in problems]
   client.put("prompts", items)
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
@@ -86,12 +82,12 @@ def one_rejoin(client, port, token_file, tok_path, tok, problems, cache_dir, tag
 def main(argv):
   del argv
   with tempfile.TemporaryDirectory() as tmp:
-    tok_path, tok, flat = setup(tmp)
+    tok_path, tok, params, meta = setup(tmp)
     token_file = os.path.join(tmp, "token")
     open(token_file, "w").write("t\n")
     srv = ps.Server(ps.ServerConfig(port=0, token="t")).start()
     client = ps.Client("127.0.0.1", srv.port, token="t")
-    client.push(0, flat)
+    shards.publish([client], 0, params, meta)
     problems = data.make_task_problems("arithmetic", 8, 2, seed=0, split="train", ops="+")
     cache = os.path.join(tmp, "jax_cache")
     one_rejoin(client, srv.port, token_file, tok_path, tok, problems, cache, "fill")  # the worker before the restart
