@@ -169,11 +169,12 @@ class QueueFullError(RuntimeError):
 
 
 class _Refused(Exception):
-  """A well-formed request the server declines; the reply carries `code` and the connection stays open."""
+  """A well-formed request the server declines; the reply carries `code` and the connection stays open.
+  payload_read: the request's payload was already received (so it must not be drained again)."""
 
-  def __init__(self, code, msg):
+  def __init__(self, code, msg, payload_read=False):
     super().__init__(msg)
-    self.code = code
+    self.code, self.payload_read = code, payload_read
 
 
 class StorageError(RuntimeError):
@@ -244,12 +245,21 @@ def _recv_into(sock, mv, deadline, what, on_progress=None):
       on_progress(got)
 
 
+def _frame_head(mtype, header, payload_len):
+  """A frame's prefix + JSON header."""
+  hb = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()  # the peer refuses NaN anyway
+  return PREFIX.pack(MAGIC, PROTOCOL_VERSION, mtype, len(hb), payload_len) + hb
+
+
 def _send_frame(sock, mtype, header, parts=(), deadline=None):
   """Send one frame; parts are bytes-like payload pieces sent without copying (8 MiB slices)."""
-  hb = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()  # the peer refuses NaN anyway
+  _send_parts(sock, _frame_head(mtype, header, sum(memoryview(p).nbytes for p in parts)), parts, deadline)
+
+
+def _send_parts(sock, head, parts, deadline=None):
+  """Sends a frame's prefix + header (_frame_head, or one prebuilt and shared) and then its payload parts."""
   mvs = [memoryview(p).cast("B") for p in parts]
   total = sum(len(m) for m in mvs)
-  head = PREFIX.pack(MAGIC, PROTOCOL_VERSION, mtype, len(hb), total) + hb
   if total <= 65536:  # small frames: one syscall
     mvs = [memoryview(head + b"".join(mvs))]
   else:
@@ -430,6 +440,13 @@ def _check_specs(specs, payload_len, what):
   return sizes
 
 
+def _check_crcs(specs, crcs, what):
+  """Server side: the received tensors' crcs against the declared ones (the payload has been read)."""
+  for s, c in zip(specs, crcs):
+    if s["crc"] != c:
+      raise _Refused("checksum", f"{what}: tensor {s['name']!r} crc {c} != declared {s['crc']}", payload_read=True)
+
+
 def _digest(version, specs):
   table = [[s["name"], s["dtype"], s["shape"], s["nbytes"], s["crc"]] for s in specs]
   return zlib.crc32(json.dumps([version, table], separators=(",", ":")).encode())
@@ -581,6 +598,17 @@ def _cut(version, piece, sub):
   return part, zlib.crc32(part), [b - a for a, b in sub]
 
 
+def _staged_piece(st, w, what):
+  """(piece, key) of the staged piece a FETCH / DELTA request names (w: {name, index, crc}); refused when this
+  server does not hold it with that crc (st: the staged version, or None)."""
+  key = (w.get("name"), json.dumps(w.get("index")))
+  got = st and st["pieces"].get(key)
+  if not got or got[0]["crc"] != w.get("crc"):
+    raise _Refused("stale_version", f"{what}: piece {w.get('name')!r} {w.get('index')} is not "
+                   "held here (garbage-collected or replaced; read the newest manifest)")
+  return got, key
+
+
 class _Once:
   """A value built by the first thread that asks; threads asking meanwhile wait for that build, not their own."""
 
@@ -599,9 +627,8 @@ class _Version:
 
   def __init__(self, version, specs, digest, buf):
     self.version, self.specs, self.digest, self.buf = version, specs, digest, buf
-    hb = json.dumps({"version": version, "tensors": specs, "digest": digest}, separators=(",", ":")).encode()
     # The pull reply's prefix + header, built once and shared by every puller.
-    self.head = PREFIX.pack(MAGIC, PROTOCOL_VERSION, OK, len(hb), len(buf)) + hb
+    self.head = _frame_head(OK, {"version": version, "tensors": specs, "digest": digest}, len(buf))
 
 
 class _Disk:
@@ -688,9 +715,7 @@ class _Queue:
         elif op == 4 and hdr["id"] in self.ready:
           self.replace(hdr["id"], hdr["meta"], body[hl:])
         elif op == 2:
-          for i in hdr["ids"]:
-            self._drop(i)
-            self._remember(self.acked, i, None)
+          self.ack_ids(hdr["ids"])
         elif op == 3 and "failures" in hdr:  # a quarantine entry as compaction writes it
           self._remember(self.quarantined, hdr["quarantined"][0], {"reason": hdr["reason"],
                                                                    "failures": hdr["failures"]})
@@ -1052,8 +1077,7 @@ class Server:
             return
           c.set("busy")
           mtype, header, plen = got
-          deadline = time.monotonic() + self.cfg.header_timeout_s + plen / (self.cfg.min_rate_mb_s * 1e6)
-          self._dispatch(c, mtype, header, plen, deadline)
+          self._dispatch(c, mtype, header, plen, self._deadline(plen))
         except _Refused as e:
           self._reply_error(conn, e.code, str(e))
         except _Idle:
@@ -1117,16 +1141,19 @@ class Server:
     except (_Refused, ValueError, KeyError, TypeError) as e:
       if isinstance(e, ProtocolError):
         raise
-      if not getattr(e, "_payload_read", False):
+      if not getattr(e, "payload_read", False):
         self._drain(conn, plen, deadline)  # keep the stream in sync: the request stays refused, not stored
       raise e if isinstance(e, _Refused) else _Refused("bad_request", f"{name}: {e}") from None
 
   def _auth(self, conn, h, plen, deadline):
     self._ok(conn, {"authenticated": True})
 
+  def _deadline(self, nbytes):
+    """When an nbytes payload must have arrived or left: header_timeout_s plus nbytes at min_rate_mb_s."""
+    return time.monotonic() + self.cfg.header_timeout_s + nbytes / (self.cfg.min_rate_mb_s * 1e6)
+
   def _ok(self, conn, header, parts=(), nbytes=0):
-    _send_frame(conn, OK, header, parts,
-                deadline=time.monotonic() + self.cfg.header_timeout_s + nbytes / (self.cfg.min_rate_mb_s * 1e6))
+    _send_frame(conn, OK, header, parts, deadline=self._deadline(nbytes))
 
   def latest(self):
     """Newest visible version: a pushed one or (sharded mode) a committed manifest."""
@@ -1156,12 +1183,7 @@ class Server:
       if version <= latest:
         raise _Refused("stale_version", f"push v{version} refused: versions must increase (latest is v{latest})")
       buf = _alloc(plen)
-      crcs = _recv_with_crcs(conn, buf, sizes, deadline, f"push v{version} payload")
-      for s, c in zip(specs, crcs):
-        if s["crc"] != c:
-          e = _Refused("checksum", f"push v{version}: tensor {s['name']!r} crc {c} != declared {s['crc']}")
-          e._payload_read = True
-          raise e
+      _check_crcs(specs, _recv_with_crcs(conn, buf, sizes, deadline, f"push v{version} payload"), f"push v{version}")
       v = _Version(version, specs, digest, buf)
       with self._wcond:
         self._versions = (self._versions + [v])[-self.cfg.max_versions:]
@@ -1194,8 +1216,7 @@ class Server:
     if v is None:
       return self._ok(conn, {"version": None, "latest": latest})
     # Send from the immutable buffer outside the lock: concurrent pullers share it, a push cannot touch it.
-    _send_frame_raw(conn, v.head, v.buf, time.monotonic() + self.cfg.header_timeout_s +
-                    len(v.buf) / (self.cfg.min_rate_mb_s * 1e6))
+    _send_parts(conn, v.head, [v.buf], self._deadline(len(v.buf)))
 
   # -- sharded mode: STAGE pieces, list them (STAGED), COMMIT a manifest, read it (MANIFEST), FETCH slices
 
@@ -1213,11 +1234,7 @@ class Server:
         for r, d in zip(index, spec["shape"]))):
       raise ValueError(f"stage v{version} {name!r}: index {index!r} does not match shape {spec['shape']}")
     buf = _alloc(plen)
-    (crc,) = _recv_with_crcs(conn, buf, [plen], deadline, f"stage v{version} {name!r}")
-    if crc != spec["crc"]:
-      e = _Refused("checksum", f"stage v{version}: tensor {name!r} crc {crc} != declared {spec['crc']}")
-      e._payload_read = True
-      raise e
+    _check_crcs([spec], _recv_with_crcs(conn, buf, [plen], deadline, f"stage v{version} {name!r}"), f"stage v{version}")
     with self._wcond:
       st = self._staged.get(version)
       if st is None or st["nonce"] != nonce:  # a new publish of this version (e.g. by a restarted trainer)
@@ -1259,14 +1276,12 @@ class Server:
       version = m["version"]
       assert isinstance(version, int) and isinstance(m["tensors"], dict)
     except (ValueError, KeyError, TypeError, AssertionError):
-      e = _Refused("bad_request", "commit: payload must be a JSON manifest with int 'version' and 'tensors'")
-      e._payload_read = True
-      raise e from None
+      raise _Refused("bad_request", "commit: payload must be a JSON manifest with int 'version' and 'tensors'",
+                     payload_read=True) from None
     with self._wcond:
       if self._manifests and version <= self._manifests[-1][0]:
-        e = _Refused("stale_version", f"commit v{version} refused: latest manifest is v{self._manifests[-1][0]}")
-        e._payload_read = True
-        raise e
+        raise _Refused("stale_version", f"commit v{version} refused: latest manifest is v{self._manifests[-1][0]}",
+                       payload_read=True)
       self._manifests = (self._manifests + [(version, bytes(buf))])[-self.cfg.max_versions:]
       kept = [v for v, _ in self._manifests]
       self._wcond.notify_all()
@@ -1295,11 +1310,7 @@ class Server:
       st = self._staged.get(version)
       found = []
       for w in want:
-        got = st and st["pieces"].get((w.get("name"), json.dumps(w.get("index"))))
-        if not got or got[0]["crc"] != w.get("crc"):
-          raise _Refused("stale_version", f"fetch v{version}: piece {w.get('name')!r} {w.get('index')} is not "
-                         "held here (garbage-collected or replaced; read the newest manifest)")
-        found.append((w, got))
+        found.append((w, _staged_piece(st, w, f"fetch v{version}")[0]))
     specs, parts = [], []
     for w, piece in found:
       part, crc, shape = _cut(version, piece, w.get("sub"))
@@ -1322,11 +1333,7 @@ class Server:
       bst = self._staged.get(base) if older and max(older) == base else None
       found = []
       for w in want:
-        key = (w.get("name"), json.dumps(w.get("index")))
-        got = st and st["pieces"].get(key)
-        if not got or got[0]["crc"] != w.get("crc"):
-          raise _Refused("stale_version", f"delta v{version}: piece {w.get('name')!r} {w.get('index')} is not "
-                         "held here (garbage-collected or replaced; read the newest manifest)")
+        got, key = _staged_piece(st, w, f"delta v{version}")
         old = bst and bst["pieces"].get(key)
         if not old or old[0]["crc"] != w.get("base_crc") or old[0]["dtype"] != got[0]["dtype"]:
           found.append((w, got, None, None, None))  # the reader's base is not one we hold: full bytes
@@ -1466,10 +1473,8 @@ class Server:
       q.write(records)
     except OSError as e:
       log.error("queue %r: %s not stored: %s", q.name, what, e)
-      err = _Refused("storage", f"{what} on queue {q.name!r} not stored (nothing changed, retry later): "
-                                f"{type(e).__name__}: {e}")
-      err._payload_read = True
-      raise err from None
+      raise _Refused("storage", f"{what} on queue {q.name!r} not stored (nothing changed, retry later): "
+                                f"{type(e).__name__}: {e}", payload_read=True) from None
 
   def _get(self, conn, h, plen, deadline):
     q = self._queue(h.get("queue"))
@@ -1656,19 +1661,6 @@ def _linger_close(conn, max_bytes=1 << 20, max_s=0.2):
       left -= k
   except OSError:
     pass
-
-
-def _send_frame_raw(conn, head, buf, deadline):
-  """Sends a prebuilt prefix+header then buf in 8 MiB memoryview slices (no copies)."""
-  mv = memoryview(buf).cast("B")
-  conn.settimeout(max(deadline - time.monotonic(), 1e-3))
-  conn.sendall(head)
-  for i in range(0, len(mv), CHUNK):
-    left = deadline - time.monotonic()
-    if left <= 0:
-      raise TimeoutError(f"timed out sending {len(mv)} bytes (client too slow)")
-    conn.settimeout(left)
-    conn.sendall(mv[i:i + CHUNK])
 
 
 def serve(cfg: ServerConfig, port_file=None):
