@@ -1194,11 +1194,15 @@ class Server:
         self._write_cond.notify_all()
     self._ok(conn, {"version": version})
 
-  def _pull(self, conn, h, plen, deadline):
-    newer_than, want = h.get("newer_than", -1), h.get("version")
+  def _newer_than(self, h):
+    """A PULL / MANIFEST request's "newer_than" (an int) and the end of its wait (wait_s, capped)."""
+    newer_than = h.get("newer_than", -1)
     if not isinstance(newer_than, int):
       raise ValueError(f"newer_than must be an int, got {newer_than!r}")
-    end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
+    return newer_than, time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
+
+  def _pull(self, conn, h, plen, deadline):
+    (newer_than, end), want = self._newer_than(h), h.get("version")
     with self._wcond:
       while True:
         if want is not None:
@@ -1288,10 +1292,7 @@ class Server:
     self._ok(conn, {"version": version, "kept": kept})
 
   def _manifest(self, conn, h, plen, deadline):
-    newer_than = h.get("newer_than", -1)
-    if not isinstance(newer_than, int):
-      raise ValueError(f"newer_than must be an int, got {newer_than!r}")
-    end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
+    newer_than, end = self._newer_than(h)
     with self._wcond:
       while not (self._manifests and self._manifests[-1][0] > newer_than):
         left = end - time.monotonic()
@@ -1578,6 +1579,7 @@ class Server:
     with self._wcond:
       versions = [v.version for v in self._versions]
       wbytes = sum(len(v.buf) for v in self._versions)
+      delta = {"builds": self._delta_builds, "cached_bytes": sum(st["delta_bytes"] for st in self._staged.values())}
     queues = {}
     for name, q in list(self._queues.items()):
       with q.cond:
@@ -1586,8 +1588,6 @@ class Server:
                         "bytes": q.nbytes, "failing": len(q.failures), "quarantined": len(q.quarantined)}
     with self._conn_lock:
       clients = len(self._conns)
-    with self._wcond:
-      delta = {"builds": self._delta_builds, "cached_bytes": sum(st["delta_bytes"] for st in self._staged.values())}
     return {"latest_version": versions[-1] if versions else -1, "versions": versions, "weight_bytes": wbytes,
             "queues": queues, "clients": clients, "uptime_s": time.monotonic() - self._started, "delta": delta}
 
@@ -1899,22 +1899,16 @@ class Client:
         if k == "id":
           continue
         what = f"put({queue!r}) item {it['id']!r} field {k!r}"
-        if isinstance(v, np.ndarray):
-          spec, raw = _as_wire_array(v, what)
-          arrays[k] = spec
-          parts.append(raw)
-        elif isinstance(v, (list, tuple)) and v and all(isinstance(x, np.ndarray) for x in v):
-          arrays[k] = []
-          for x in v:
-            spec, raw = _as_wire_array(x, what)
-            arrays[k].append(spec)
-            parts.append(raw)
+        many = isinstance(v, (list, tuple)) and v and all(isinstance(x, np.ndarray) for x in v)
+        if many or isinstance(v, np.ndarray):
+          wired = [_as_wire_array(x, what) for x in (v if many else [v])]
+          arrays[k] = [spec for spec, _ in wired] if many else wired[0][0]
+          parts.extend(raw for _, raw in wired)
         else:
           try:
-            json.dumps(v, default=_json_default, allow_nan=False)
+            js[k] = json.loads(json.dumps(v, default=_json_default, allow_nan=False))
           except (TypeError, ValueError) as e:
             raise ValueError(f"{what} is neither JSON-able nor an np.ndarray: {e}") from None
-          js[k] = json.loads(json.dumps(v, default=_json_default))
       metas.append({"id": it["id"], "json": js, "arrays": arrays})
     h = {"queue": queue, "items": metas, "wait_s": float(wait_s)}
     if release:
@@ -2047,14 +2041,9 @@ def _main():
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.token_file)), exist_ok=True)
         fileio.write_atomic(FLAGS.token_file, secrets.token_hex(32) + "\n", mode=0o600)
       token = read_token(FLAGS.token_file)
-    cfg = ServerConfig(host=FLAGS.host, port=FLAGS.port, token=token, run_dir=FLAGS.run_dir,
-                       max_versions=FLAGS.max_versions, max_queue_items=FLAGS.max_queue_items,
-                       max_queue_mb=FLAGS.max_queue_mb, max_acked_ids=FLAGS.max_acked_ids,
-                       max_payload_mb=FLAGS.max_payload_mb, max_put_mb=FLAGS.max_put_mb,
-                       max_header_kb=FLAGS.max_header_kb, max_clients=FLAGS.max_clients,
-                       idle_timeout_s=FLAGS.idle_timeout_s, header_timeout_s=FLAGS.header_timeout_s,
-                       min_rate_mb_s=FLAGS.min_rate_mb_s, max_wait_s=FLAGS.max_wait_s, fsync=FLAGS.fsync,
-                       untrusted_header_kb=FLAGS.untrusted_header_kb, max_failures=FLAGS.max_failures)
+    # Every flag named like a ServerConfig field sets that field; the rest keep their defaults.
+    cfg = ServerConfig(token=token, **{f.name: FLAGS[f.name].value for f in dataclasses.fields(ServerConfig)
+                                       if f.name in FLAGS})
     serve(cfg, port_file=FLAGS.port_file)
 
   app.run(main)
