@@ -1201,21 +1201,25 @@ class Server:
       raise ValueError(f"newer_than must be an int, got {newer_than!r}")
     return newer_than, time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
 
+  def _wait(self, cond, done, end, tick=None):
+    """Waits on `cond` (the caller holds it) until done(), the deadline `end` (time.monotonic()) or a server stop;
+    returns whether done(). tick: the longest single wait (for conditions that change without a notify)."""
+    while not done():
+      left = end - time.monotonic()
+      if left <= 0 or self._stopped.is_set():
+        return False
+      cond.wait(left if tick is None else min(left, tick))
+    return True
+
   def _pull(self, conn, h, plen, deadline):
     (newer_than, end), want = self._newer_than(h), h.get("version")
     with self._wcond:
-      while True:
-        if want is not None:
-          v = next((x for x in self._versions if x.version == want), None)
-          break
-        v = self._versions[-1] if self._versions else None
-        if v is not None and v.version > newer_than:
-          break
-        left = end - time.monotonic()
-        if left <= 0 or self._stopped.is_set():
-          v = None
-          break
-        self._wcond.wait(left)
+      if want is not None:
+        v = next((x for x in self._versions if x.version == want), None)
+      elif self._wait(self._wcond, lambda: self._versions and self._versions[-1].version > newer_than, end):
+        v = self._versions[-1]
+      else:
+        v = None
       latest = self._versions[-1].version if self._versions else -1
     if v is None:
       return self._ok(conn, {"version": None, "latest": latest})
@@ -1294,11 +1298,8 @@ class Server:
   def _manifest(self, conn, h, plen, deadline):
     newer_than, end = self._newer_than(h)
     with self._wcond:
-      while not (self._manifests and self._manifests[-1][0] > newer_than):
-        left = end - time.monotonic()
-        if left <= 0 or self._stopped.is_set():
-          return self._ok(conn, {"version": None})
-        self._wcond.wait(left)
+      if not self._wait(self._wcond, lambda: self._manifests and self._manifests[-1][0] > newer_than, end):
+        return self._ok(conn, {"version": None})
       version, buf = self._manifests[-1]
     self._ok(conn, {"version": version}, [buf], len(buf))
 
@@ -1418,19 +1419,18 @@ class Server:
         return (len(q.ready) + len(q.leased) + len(new) < q.cfg.max_queue_items
                 and q.nbytes + new_bytes + n <= cap_bytes)
 
+      def room_after_reclaim(n):  # acks and expired leases make room
+        if not room(n):
+          q.reclaim()
+        return room(n)
+
       for m, off, n in items:
         i = m["id"]
         if q.known(i) or i in seen:
           dups.append(i)
           continue
         seen.add(i)
-        while not room(n):  # back-pressure: wait for room (acks and expired leases make room)
-          q.reclaim()
-          left = end - time.monotonic()
-          if room(n) or left <= 0 or self._stopped.is_set():
-            break
-          q.cond.wait(min(left, 0.5))
-        if not room(n):
+        if not self._wait(q.cond, lambda: room_after_reclaim(n), end, tick=0.5):  # back-pressure: wait for room
           rejected.append(i)
           end = 0.0  # the queue is full: do not wait again for each remaining item
           continue
@@ -1486,15 +1486,13 @@ class Server:
       raise ValueError(f"lease_s must be > 0, got {lease_s}")
     end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
     out, nbytes = [], 0
+
+    def any_ready():  # called with q.cond held
+      q.reclaim()
+      return bool(q.ready)
+
     with q.cond:
-      while True:
-        q.reclaim()
-        if q.ready:
-          break
-        left = end - time.monotonic()
-        if left <= 0 or self._stopped.is_set():
-          break
-        q.cond.wait(min(left, 0.5))  # also wakes to reclaim expired leases
+      self._wait(q.cond, any_ready, end, tick=0.5)  # the tick also wakes it to reclaim expired leases
       expiry = time.monotonic() + lease_s
       while q.ready and len(out) < max_items:
         i, (meta, blob) = next(iter(q.ready.items()))
