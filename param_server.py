@@ -836,24 +836,21 @@ class _Queue:
       if self._drop(i):
         self._remember(self.quarantined, i, {"reason": reason, "failures": n})
     if release:
-      for i in ids:
-        if i in self.leased:
-          meta, blob, _ = self.leased.pop(i)
-          self.ready[i] = (meta, blob)
-      self.cond.notify_all()
+      self.release(ids, head=False)
 
   def reclaim(self):
     now = time.monotonic()
     expired = [i for i, (_, _, exp) in self.leased.items() if exp <= now]
     self.release(expired)
 
-  def release(self, ids):
-    """Leased ids go back to the head of the ready queue (re-issued first)."""
+  def release(self, ids, head=True):
+    """Leased ids go back to the head of the ready queue (re-issued first), or to its tail (head=False)."""
     for i in ids:
       if i in self.leased:
         meta, blob, _ = self.leased.pop(i)
         self.ready[i] = (meta, blob)
-        self.ready.move_to_end(i, last=False)
+        if head:
+          self.ready.move_to_end(i, last=False)
     if ids:
       self.cond.notify_all()
     return len(ids)
@@ -1447,11 +1444,10 @@ class Server:
                     "depth": len(q.ready) + len(q.leased)})
 
   def _release(self, conn, q, items, payload):
-    """PUT with release=True: live items (leased, or ready again after their lease expired) handed back with new
-    contents, e.g. a preempted worker's partial rollouts, replace the stored item and go to the head of the ready
-    queue (re-issued first, in the order given). Ids that are not live (acked, quarantined, never put) are
-    reported as unknown and not stored: release never adds an item. The new contents are logged (UPDATE record)
-    before they replace the old, so a restart re-issues the progress, not the original."""
+    """PUT with release=True (Client.release): live items (leased, or ready again after their lease expired) get
+    the new contents and go to the head of the ready queue, in the order given; other ids are reported unknown:
+    release never adds an item. The new contents are logged (UPDATE record) before they replace the old, so a
+    restart re-issues the progress, not the original."""
     with q.cond:
       new, unknown = {}, []
       for m, off, n in items:
