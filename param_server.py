@@ -89,7 +89,7 @@ Public API:
     .put(queue, items: list[dict], wait_s=0.0) -> {"accepted": int, "duplicates": [ids]}
     .get(queue, max_items, wait_s=0.0, lease_s=300.0) -> list[dict]
     .ack(queue, ids) -> {"acked": int, "unknown": [ids]}
-    .requeue(queue) -> int                         (number of leases released)
+    .requeue(queue, ids=None) -> int               (number of leases released: all, or just those ids)
     .release(queue, items) -> {"released": n, "unknown": [ids]}  (leased items back with new contents)
     .fail(queue, ids, reason) -> {"failed": [ids], "quarantined": [ids]}
     .stats() -> dict
@@ -1180,7 +1180,8 @@ class Server:
       if version <= latest:
         raise _Refused("stale_version", f"push v{version} refused: versions must increase (latest is v{latest})")
       buf = _alloc(plen)
-      _check_crcs(specs, _recv_with_crcs(conn, buf, sizes, deadline, f"push v{version} payload"), f"push v{version}")
+      crcs = _recv_with_crcs(conn, buf, sizes, deadline, f"push v{version} payload")
+      _check_crcs(specs, crcs, f"push v{version}")
       v = _Version(version, specs, digest, buf)
       with self._wcond:
         self._versions = (self._versions + [v])[-self.cfg.max_versions:]
@@ -1239,7 +1240,8 @@ class Server:
         for r, d in zip(index, spec["shape"]))):
       raise ValueError(f"stage v{version} {name!r}: index {index!r} does not match shape {spec['shape']}")
     buf = _alloc(plen)
-    _check_crcs([spec], _recv_with_crcs(conn, buf, [plen], deadline, f"stage v{version} {name!r}"), f"stage v{version}")
+    crcs = _recv_with_crcs(conn, buf, [plen], deadline, f"stage v{version} {name!r}")
+    _check_crcs([spec], crcs, f"stage v{version}")
     with self._wcond:
       st = self._staged.get(version)
       if st is None or st["nonce"] != nonce:  # a new publish of this version (e.g. by a restarted trainer)
