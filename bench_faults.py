@@ -42,17 +42,23 @@ OPS = ("push", "pull", "put", "get", "ack", "join")  # join: a new client connec
 CRASH_POINTS = ("append", "appended", "synced", "compact_tmp", "compact_renamed")
 
 
+def parse_faults(spec):
+  """"action@op#n[-m],..." -> [(action, op, n, m)]."""
+  rules = []
+  for part in filter(None, spec.split(",")):
+    action, rest = part.split("@")
+    op, nums = rest.split("#")
+    lo, _, hi = nums.partition("-")
+    rules.append((action, op, int(lo), int(hi or lo)))
+  return rules
+
+
 class FaultDisk(ps._Disk):
   """_Disk whose n-th call of an operation fails or kills the process, from a spec "action@op#n[-m],...".
   Counts are per op name (write counts compaction writes too)."""
 
   def __init__(self, spec):
-    self.rules, self.counts = [], {}
-    for part in filter(None, spec.split(",")):
-      action, rest = part.split("@")
-      op, nums = rest.split("#")
-      lo, _, hi = nums.partition("-")
-      self.rules.append((action, op, int(lo), int(hi or lo)))
+    self.rules, self.counts = parse_faults(spec), {}
 
   def _hit(self, op):
     n = self.counts[op] = self.counts.get(op, 0) + 1
@@ -61,41 +67,37 @@ class FaultDisk(ps._Disk):
         return action
     return None
 
-  def _fire(self, action, op):
+  def _fire(self, op, before=None):
+    """If a rule matches this call of op: before() (if given), then kill -9 the process or raise ENOSPC / EIO."""
+    action = self._hit(op)
+    if not action:
+      return
+    if before:
+      before()
     if action == "kill":
       os.kill(os.getpid(), signal.SIGKILL)
     code = {"enospc": errno.ENOSPC, "eio": errno.EIO}[action]
     raise OSError(code, f"{os.strerror(code)} (injected at {op})")
 
   def write(self, fd, data):
-    action = self._hit("write")
-    if action:
-      os.write(fd, memoryview(data)[:len(data) // 2])  # a short write first, as a filling disk does
-      self._fire(action, "write")
+    # A short write first, as a filling disk does.
+    self._fire("write", before=lambda: os.write(fd, memoryview(data)[:len(data) // 2]))
     super().write(fd, data)
 
   def fsync(self, fd):
-    action = self._hit("fsync")
-    if action:
-      self._fire(action, "fsync")
+    self._fire("fsync")
     super().fsync(fd)
 
   def truncate(self, fd, size):
-    action = self._hit("truncate")
-    if action:
-      self._fire(action, "truncate")
+    self._fire("truncate")
     super().truncate(fd, size)
 
   def replace(self, src, dst):
-    action = self._hit("replace")
-    if action:
-      self._fire(action, "replace")
+    self._fire("replace")
     super().replace(src, dst)
 
   def point(self, name):
-    action = self._hit(name)
-    if action:
-      self._fire(action, name)
+    self._fire(name)
 
 
 def serve_main(args):
@@ -456,14 +458,9 @@ def _all(port, n, big, deep):
 
 
 def describe(r):
-  f = r["faults"]
   what = {"kill": "kill -9 at", "enospc": "ENOSPC (short write) at", "eio": "EIO at"}
-  parts = []
-  for rule in f.split(","):
-    action, rest = rule.split("@")
-    op, nums = rest.split("#")
-    parts.append(f"{what[action]} {op} #{nums}")
-  return "; ".join(parts)
+  return "; ".join(f"{what[action]} {op} #{lo}" + (f"-{hi}" if hi != lo else "")
+                   for action, op, lo, hi in parse_faults(r["faults"]))
 
 
 def queue_table(results):
@@ -477,12 +474,11 @@ def queue_table(results):
 
 
 def hostile_table(rows):
-  ops = OPS
-  lines = ["| load beside a trainer + a worker | " + " | ".join(f"{o} p50/max ms" for o in ops)
+  lines = ["| load beside a trainer + a worker | " + " | ".join(f"{o} p50/max ms" for o in OPS)
            + " | server RSS peak MiB | server CPU % during / after |",
-           "|---|" + "---|" * len(ops) + "---|---|"]
+           "|---|" + "---|" * len(OPS) + "---|---|"]
   for r in rows:
-    lines.append(f"| {r['load']} | " + " | ".join(f"{r[o][0]:.1f} / {r[o][1]:.1f}" for o in ops)
+    lines.append(f"| {r['load']} | " + " | ".join(f"{r[o][0]:.1f} / {r[o][1]:.1f}" for o in OPS)
                  + f" | {r['rss_peak_mib']:.0f} | {r['cpu_pct']:.0f} / {r['cpu_after_pct']:.0f} |")
   return "\n".join(lines)
 

@@ -89,7 +89,7 @@ Public API:
     .put(queue, items: list[dict], wait_s=0.0) -> {"accepted": int, "duplicates": [ids]}
     .get(queue, max_items, wait_s=0.0, lease_s=300.0) -> list[dict]
     .ack(queue, ids) -> {"acked": int, "unknown": [ids]}
-    .requeue(queue) -> int                         (number of leases released)
+    .requeue(queue, ids=None) -> int               (number of leases released: all, or just those ids)
     .release(queue, items) -> {"released": n, "unknown": [ids]}  (leased items back with new contents)
     .fail(queue, ids, reason) -> {"failed": [ids], "quarantined": [ids]}
     .stats() -> dict
@@ -169,11 +169,12 @@ class QueueFullError(RuntimeError):
 
 
 class _Refused(Exception):
-  """A well-formed request the server declines; the reply carries `code` and the connection stays open."""
+  """A well-formed request the server declines; the reply carries `code` and the connection stays open.
+  payload_read: the request's payload was already received (so it must not be drained again)."""
 
-  def __init__(self, code, msg):
+  def __init__(self, code, msg, payload_read=False):
     super().__init__(msg)
-    self.code = code
+    self.code, self.payload_read = code, payload_read
 
 
 class StorageError(RuntimeError):
@@ -244,12 +245,21 @@ def _recv_into(sock, mv, deadline, what, on_progress=None):
       on_progress(got)
 
 
+def _frame_head(mtype, header, payload_len):
+  """A frame's prefix + JSON header."""
+  hb = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()  # the peer refuses NaN anyway
+  return PREFIX.pack(MAGIC, PROTOCOL_VERSION, mtype, len(hb), payload_len) + hb
+
+
 def _send_frame(sock, mtype, header, parts=(), deadline=None):
   """Send one frame; parts are bytes-like payload pieces sent without copying (8 MiB slices)."""
-  hb = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()  # the peer refuses NaN anyway
+  _send_parts(sock, _frame_head(mtype, header, sum(memoryview(p).nbytes for p in parts)), parts, deadline)
+
+
+def _send_parts(sock, head, parts, deadline=None):
+  """Sends a frame's prefix + header (_frame_head, or one prebuilt and shared) and then its payload parts."""
   mvs = [memoryview(p).cast("B") for p in parts]
   total = sum(len(m) for m in mvs)
-  head = PREFIX.pack(MAGIC, PROTOCOL_VERSION, mtype, len(hb), total) + hb
   if total <= 65536:  # small frames: one syscall
     mvs = [memoryview(head + b"".join(mvs))]
   else:
@@ -430,6 +440,13 @@ def _check_specs(specs, payload_len, what):
   return sizes
 
 
+def _check_crcs(specs, crcs, what):
+  """Server side: the received tensors' crcs against the declared ones (the payload has been read)."""
+  for s, c in zip(specs, crcs):
+    if s["crc"] != c:
+      raise _Refused("checksum", f"{what}: tensor {s['name']!r} crc {c} != declared {s['crc']}", payload_read=True)
+
+
 def _digest(version, specs):
   table = [[s["name"], s["dtype"], s["shape"], s["nbytes"], s["crc"]] for s in specs]
   return zlib.crc32(json.dumps([version, table], separators=(",", ":")).encode())
@@ -581,6 +598,17 @@ def _cut(version, piece, sub):
   return part, zlib.crc32(part), [b - a for a, b in sub]
 
 
+def _staged_piece(st, w, what):
+  """(piece, key) of the staged piece a FETCH / DELTA request names (w: {name, index, crc}); refused when this
+  server does not hold it with that crc (st: the staged version, or None)."""
+  key = (w.get("name"), json.dumps(w.get("index")))
+  got = st and st["pieces"].get(key)
+  if not got or got[0]["crc"] != w.get("crc"):
+    raise _Refused("stale_version", f"{what}: piece {w.get('name')!r} {w.get('index')} is not "
+                   "held here (garbage-collected or replaced; read the newest manifest)")
+  return got, key
+
+
 class _Once:
   """A value built by the first thread that asks; threads asking meanwhile wait for that build, not their own."""
 
@@ -599,9 +627,8 @@ class _Version:
 
   def __init__(self, version, specs, digest, buf):
     self.version, self.specs, self.digest, self.buf = version, specs, digest, buf
-    hb = json.dumps({"version": version, "tensors": specs, "digest": digest}, separators=(",", ":")).encode()
     # The pull reply's prefix + header, built once and shared by every puller.
-    self.head = PREFIX.pack(MAGIC, PROTOCOL_VERSION, OK, len(hb), len(buf)) + hb
+    self.head = _frame_head(OK, {"version": version, "tensors": specs, "digest": digest}, len(buf))
 
 
 class _Disk:
@@ -688,9 +715,7 @@ class _Queue:
         elif op == 4 and hdr["id"] in self.ready:
           self.replace(hdr["id"], hdr["meta"], body[hl:])
         elif op == 2:
-          for i in hdr["ids"]:
-            self._drop(i)
-            self._remember(self.acked, i, None)
+          self.ack_ids(hdr["ids"])
         elif op == 3 and "failures" in hdr:  # a quarantine entry as compaction writes it
           self._remember(self.quarantined, hdr["quarantined"][0], {"reason": hdr["reason"],
                                                                    "failures": hdr["failures"]})
@@ -811,24 +836,21 @@ class _Queue:
       if self._drop(i):
         self._remember(self.quarantined, i, {"reason": reason, "failures": n})
     if release:
-      for i in ids:
-        if i in self.leased:
-          meta, blob, _ = self.leased.pop(i)
-          self.ready[i] = (meta, blob)
-      self.cond.notify_all()
+      self.release(ids, head=False)
 
   def reclaim(self):
     now = time.monotonic()
     expired = [i for i, (_, _, exp) in self.leased.items() if exp <= now]
     self.release(expired)
 
-  def release(self, ids):
-    """Leased ids go back to the head of the ready queue (re-issued first)."""
+  def release(self, ids, head=True):
+    """Leased ids go back to the head of the ready queue (re-issued first), or to its tail (head=False)."""
     for i in ids:
       if i in self.leased:
         meta, blob, _ = self.leased.pop(i)
         self.ready[i] = (meta, blob)
-        self.ready.move_to_end(i, last=False)
+        if head:
+          self.ready.move_to_end(i, last=False)
     if ids:
       self.cond.notify_all()
     return len(ids)
@@ -1052,8 +1074,7 @@ class Server:
             return
           c.set("busy")
           mtype, header, plen = got
-          deadline = time.monotonic() + self.cfg.header_timeout_s + plen / (self.cfg.min_rate_mb_s * 1e6)
-          self._dispatch(c, mtype, header, plen, deadline)
+          self._dispatch(c, mtype, header, plen, self._deadline(plen))
         except _Refused as e:
           self._reply_error(conn, e.code, str(e))
         except _Idle:
@@ -1117,16 +1138,19 @@ class Server:
     except (_Refused, ValueError, KeyError, TypeError) as e:
       if isinstance(e, ProtocolError):
         raise
-      if not getattr(e, "_payload_read", False):
+      if not getattr(e, "payload_read", False):
         self._drain(conn, plen, deadline)  # keep the stream in sync: the request stays refused, not stored
       raise e if isinstance(e, _Refused) else _Refused("bad_request", f"{name}: {e}") from None
 
   def _auth(self, conn, h, plen, deadline):
     self._ok(conn, {"authenticated": True})
 
+  def _deadline(self, nbytes):
+    """When an nbytes payload must have arrived or left: header_timeout_s plus nbytes at min_rate_mb_s."""
+    return time.monotonic() + self.cfg.header_timeout_s + nbytes / (self.cfg.min_rate_mb_s * 1e6)
+
   def _ok(self, conn, header, parts=(), nbytes=0):
-    _send_frame(conn, OK, header, parts,
-                deadline=time.monotonic() + self.cfg.header_timeout_s + nbytes / (self.cfg.min_rate_mb_s * 1e6))
+    _send_frame(conn, OK, header, parts, deadline=self._deadline(nbytes))
 
   def latest(self):
     """Newest visible version: a pushed one or (sharded mode) a committed manifest."""
@@ -1157,11 +1181,7 @@ class Server:
         raise _Refused("stale_version", f"push v{version} refused: versions must increase (latest is v{latest})")
       buf = _alloc(plen)
       crcs = _recv_with_crcs(conn, buf, sizes, deadline, f"push v{version} payload")
-      for s, c in zip(specs, crcs):
-        if s["crc"] != c:
-          e = _Refused("checksum", f"push v{version}: tensor {s['name']!r} crc {c} != declared {s['crc']}")
-          e._payload_read = True
-          raise e
+      _check_crcs(specs, crcs, f"push v{version}")
       v = _Version(version, specs, digest, buf)
       with self._wcond:
         self._versions = (self._versions + [v])[-self.cfg.max_versions:]
@@ -1172,30 +1192,37 @@ class Server:
         self._write_cond.notify_all()
     self._ok(conn, {"version": version})
 
-  def _pull(self, conn, h, plen, deadline):
-    newer_than, want = h.get("newer_than", -1), h.get("version")
+  def _newer_than(self, h):
+    """A PULL / MANIFEST request's "newer_than" (an int) and the end of its wait (wait_s, capped)."""
+    newer_than = h.get("newer_than", -1)
     if not isinstance(newer_than, int):
       raise ValueError(f"newer_than must be an int, got {newer_than!r}")
-    end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
+    return newer_than, time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
+
+  def _wait(self, cond, done, end, tick=None):
+    """Waits on `cond` (the caller holds it) until done(), the deadline `end` (time.monotonic()) or a server stop;
+    returns whether done(). tick: the longest single wait (for conditions that change without a notify)."""
+    while not done():
+      left = end - time.monotonic()
+      if left <= 0 or self._stopped.is_set():
+        return False
+      cond.wait(left if tick is None else min(left, tick))
+    return True
+
+  def _pull(self, conn, h, plen, deadline):
+    (newer_than, end), want = self._newer_than(h), h.get("version")
     with self._wcond:
-      while True:
-        if want is not None:
-          v = next((x for x in self._versions if x.version == want), None)
-          break
-        v = self._versions[-1] if self._versions else None
-        if v is not None and v.version > newer_than:
-          break
-        left = end - time.monotonic()
-        if left <= 0 or self._stopped.is_set():
-          v = None
-          break
-        self._wcond.wait(left)
+      if want is not None:
+        v = next((x for x in self._versions if x.version == want), None)
+      elif self._wait(self._wcond, lambda: self._versions and self._versions[-1].version > newer_than, end):
+        v = self._versions[-1]
+      else:
+        v = None
       latest = self._versions[-1].version if self._versions else -1
     if v is None:
       return self._ok(conn, {"version": None, "latest": latest})
     # Send from the immutable buffer outside the lock: concurrent pullers share it, a push cannot touch it.
-    _send_frame_raw(conn, v.head, v.buf, time.monotonic() + self.cfg.header_timeout_s +
-                    len(v.buf) / (self.cfg.min_rate_mb_s * 1e6))
+    _send_parts(conn, v.head, [v.buf], self._deadline(len(v.buf)))
 
   # -- sharded mode: STAGE pieces, list them (STAGED), COMMIT a manifest, read it (MANIFEST), FETCH slices
 
@@ -1213,11 +1240,8 @@ class Server:
         for r, d in zip(index, spec["shape"]))):
       raise ValueError(f"stage v{version} {name!r}: index {index!r} does not match shape {spec['shape']}")
     buf = _alloc(plen)
-    (crc,) = _recv_with_crcs(conn, buf, [plen], deadline, f"stage v{version} {name!r}")
-    if crc != spec["crc"]:
-      e = _Refused("checksum", f"stage v{version}: tensor {name!r} crc {crc} != declared {spec['crc']}")
-      e._payload_read = True
-      raise e
+    crcs = _recv_with_crcs(conn, buf, [plen], deadline, f"stage v{version} {name!r}")
+    _check_crcs([spec], crcs, f"stage v{version}")
     with self._wcond:
       st = self._staged.get(version)
       if st is None or st["nonce"] != nonce:  # a new publish of this version (e.g. by a restarted trainer)
@@ -1259,30 +1283,22 @@ class Server:
       version = m["version"]
       assert isinstance(version, int) and isinstance(m["tensors"], dict)
     except (ValueError, KeyError, TypeError, AssertionError):
-      e = _Refused("bad_request", "commit: payload must be a JSON manifest with int 'version' and 'tensors'")
-      e._payload_read = True
-      raise e from None
+      raise _Refused("bad_request", "commit: payload must be a JSON manifest with int 'version' and 'tensors'",
+                     payload_read=True) from None
     with self._wcond:
       if self._manifests and version <= self._manifests[-1][0]:
-        e = _Refused("stale_version", f"commit v{version} refused: latest manifest is v{self._manifests[-1][0]}")
-        e._payload_read = True
-        raise e
+        raise _Refused("stale_version", f"commit v{version} refused: latest manifest is v{self._manifests[-1][0]}",
+                       payload_read=True)
       self._manifests = (self._manifests + [(version, bytes(buf))])[-self.cfg.max_versions:]
       kept = [v for v, _ in self._manifests]
       self._wcond.notify_all()
     self._ok(conn, {"version": version, "kept": kept})
 
   def _manifest(self, conn, h, plen, deadline):
-    newer_than = h.get("newer_than", -1)
-    if not isinstance(newer_than, int):
-      raise ValueError(f"newer_than must be an int, got {newer_than!r}")
-    end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
+    newer_than, end = self._newer_than(h)
     with self._wcond:
-      while not (self._manifests and self._manifests[-1][0] > newer_than):
-        left = end - time.monotonic()
-        if left <= 0 or self._stopped.is_set():
-          return self._ok(conn, {"version": None})
-        self._wcond.wait(left)
+      if not self._wait(self._wcond, lambda: self._manifests and self._manifests[-1][0] > newer_than, end):
+        return self._ok(conn, {"version": None})
       version, buf = self._manifests[-1]
     self._ok(conn, {"version": version}, [buf], len(buf))
 
@@ -1295,11 +1311,7 @@ class Server:
       st = self._staged.get(version)
       found = []
       for w in want:
-        got = st and st["pieces"].get((w.get("name"), json.dumps(w.get("index"))))
-        if not got or got[0]["crc"] != w.get("crc"):
-          raise _Refused("stale_version", f"fetch v{version}: piece {w.get('name')!r} {w.get('index')} is not "
-                         "held here (garbage-collected or replaced; read the newest manifest)")
-        found.append((w, got))
+        found.append((w, _staged_piece(st, w, f"fetch v{version}")[0]))
     specs, parts = [], []
     for w, piece in found:
       part, crc, shape = _cut(version, piece, w.get("sub"))
@@ -1322,11 +1334,7 @@ class Server:
       bst = self._staged.get(base) if older and max(older) == base else None
       found = []
       for w in want:
-        key = (w.get("name"), json.dumps(w.get("index")))
-        got = st and st["pieces"].get(key)
-        if not got or got[0]["crc"] != w.get("crc"):
-          raise _Refused("stale_version", f"delta v{version}: piece {w.get('name')!r} {w.get('index')} is not "
-                         "held here (garbage-collected or replaced; read the newest manifest)")
+        got, key = _staged_piece(st, w, f"delta v{version}")
         old = bst and bst["pieces"].get(key)
         if not old or old[0]["crc"] != w.get("base_crc") or old[0]["dtype"] != got[0]["dtype"]:
           found.append((w, got, None, None, None))  # the reader's base is not one we hold: full bytes
@@ -1410,19 +1418,18 @@ class Server:
         return (len(q.ready) + len(q.leased) + len(new) < q.cfg.max_queue_items
                 and q.nbytes + new_bytes + n <= cap_bytes)
 
+      def room_after_reclaim(n):  # acks and expired leases make room
+        if not room(n):
+          q.reclaim()
+        return room(n)
+
       for m, off, n in items:
         i = m["id"]
         if q.known(i) or i in seen:
           dups.append(i)
           continue
         seen.add(i)
-        while not room(n):  # back-pressure: wait for room (acks and expired leases make room)
-          q.reclaim()
-          left = end - time.monotonic()
-          if room(n) or left <= 0 or self._stopped.is_set():
-            break
-          q.cond.wait(min(left, 0.5))
-        if not room(n):
+        if not self._wait(q.cond, lambda: room_after_reclaim(n), end, tick=0.5):  # back-pressure: wait for room
           rejected.append(i)
           end = 0.0  # the queue is full: do not wait again for each remaining item
           continue
@@ -1439,11 +1446,10 @@ class Server:
                     "depth": len(q.ready) + len(q.leased)})
 
   def _release(self, conn, q, items, payload):
-    """PUT with release=True: live items (leased, or ready again after their lease expired) handed back with new
-    contents, e.g. a preempted worker's partial rollouts, replace the stored item and go to the head of the ready
-    queue (re-issued first, in the order given). Ids that are not live (acked, quarantined, never put) are
-    reported as unknown and not stored: release never adds an item. The new contents are logged (UPDATE record)
-    before they replace the old, so a restart re-issues the progress, not the original."""
+    """PUT with release=True (Client.release): live items (leased, or ready again after their lease expired) get
+    the new contents and go to the head of the ready queue, in the order given; other ids are reported unknown:
+    release never adds an item. The new contents are logged (UPDATE record) before they replace the old, so a
+    restart re-issues the progress, not the original."""
     with q.cond:
       new, unknown = {}, []
       for m, off, n in items:
@@ -1466,10 +1472,8 @@ class Server:
       q.write(records)
     except OSError as e:
       log.error("queue %r: %s not stored: %s", q.name, what, e)
-      err = _Refused("storage", f"{what} on queue {q.name!r} not stored (nothing changed, retry later): "
-                                f"{type(e).__name__}: {e}")
-      err._payload_read = True
-      raise err from None
+      raise _Refused("storage", f"{what} on queue {q.name!r} not stored (nothing changed, retry later): "
+                                f"{type(e).__name__}: {e}", payload_read=True) from None
 
   def _get(self, conn, h, plen, deadline):
     q = self._queue(h.get("queue"))
@@ -1480,15 +1484,13 @@ class Server:
       raise ValueError(f"lease_s must be > 0, got {lease_s}")
     end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
     out, nbytes = [], 0
+
+    def any_ready():  # called with q.cond held
+      q.reclaim()
+      return bool(q.ready)
+
     with q.cond:
-      while True:
-        q.reclaim()
-        if q.ready:
-          break
-        left = end - time.monotonic()
-        if left <= 0 or self._stopped.is_set():
-          break
-        q.cond.wait(min(left, 0.5))  # also wakes to reclaim expired leases
+      self._wait(q.cond, any_ready, end, tick=0.5)  # the tick also wakes it to reclaim expired leases
       expiry = time.monotonic() + lease_s
       while q.ready and len(out) < max_items:
         i, (meta, blob) = next(iter(q.ready.items()))
@@ -1573,6 +1575,7 @@ class Server:
     with self._wcond:
       versions = [v.version for v in self._versions]
       wbytes = sum(len(v.buf) for v in self._versions)
+      delta = {"builds": self._delta_builds, "cached_bytes": sum(st["delta_bytes"] for st in self._staged.values())}
     queues = {}
     for name, q in list(self._queues.items()):
       with q.cond:
@@ -1581,8 +1584,6 @@ class Server:
                         "bytes": q.nbytes, "failing": len(q.failures), "quarantined": len(q.quarantined)}
     with self._conn_lock:
       clients = len(self._conns)
-    with self._wcond:
-      delta = {"builds": self._delta_builds, "cached_bytes": sum(st["delta_bytes"] for st in self._staged.values())}
     return {"latest_version": versions[-1] if versions else -1, "versions": versions, "weight_bytes": wbytes,
             "queues": queues, "clients": clients, "uptime_s": time.monotonic() - self._started, "delta": delta}
 
@@ -1656,19 +1657,6 @@ def _linger_close(conn, max_bytes=1 << 20, max_s=0.2):
       left -= k
   except OSError:
     pass
-
-
-def _send_frame_raw(conn, head, buf, deadline):
-  """Sends a prebuilt prefix+header then buf in 8 MiB memoryview slices (no copies)."""
-  mv = memoryview(buf).cast("B")
-  conn.settimeout(max(deadline - time.monotonic(), 1e-3))
-  conn.sendall(head)
-  for i in range(0, len(mv), CHUNK):
-    left = deadline - time.monotonic()
-    if left <= 0:
-      raise TimeoutError(f"timed out sending {len(mv)} bytes (client too slow)")
-    conn.settimeout(left)
-    conn.sendall(mv[i:i + CHUNK])
 
 
 def serve(cfg: ServerConfig, port_file=None):
@@ -1907,22 +1895,16 @@ class Client:
         if k == "id":
           continue
         what = f"put({queue!r}) item {it['id']!r} field {k!r}"
-        if isinstance(v, np.ndarray):
-          spec, raw = _as_wire_array(v, what)
-          arrays[k] = spec
-          parts.append(raw)
-        elif isinstance(v, (list, tuple)) and v and all(isinstance(x, np.ndarray) for x in v):
-          arrays[k] = []
-          for x in v:
-            spec, raw = _as_wire_array(x, what)
-            arrays[k].append(spec)
-            parts.append(raw)
+        many = isinstance(v, (list, tuple)) and v and all(isinstance(x, np.ndarray) for x in v)
+        if many or isinstance(v, np.ndarray):
+          wired = [_as_wire_array(x, what) for x in (v if many else [v])]
+          arrays[k] = [spec for spec, _ in wired] if many else wired[0][0]
+          parts.extend(raw for _, raw in wired)
         else:
           try:
-            json.dumps(v, default=_json_default, allow_nan=False)
+            js[k] = json.loads(json.dumps(v, default=_json_default, allow_nan=False))
           except (TypeError, ValueError) as e:
             raise ValueError(f"{what} is neither JSON-able nor an np.ndarray: {e}") from None
-          js[k] = json.loads(json.dumps(v, default=_json_default))
       metas.append({"id": it["id"], "json": js, "arrays": arrays})
     h = {"queue": queue, "items": metas, "wait_s": float(wait_s)}
     if release:
@@ -2055,14 +2037,9 @@ def _main():
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.token_file)), exist_ok=True)
         fileio.write_atomic(FLAGS.token_file, secrets.token_hex(32) + "\n", mode=0o600)
       token = read_token(FLAGS.token_file)
-    cfg = ServerConfig(host=FLAGS.host, port=FLAGS.port, token=token, run_dir=FLAGS.run_dir,
-                       max_versions=FLAGS.max_versions, max_queue_items=FLAGS.max_queue_items,
-                       max_queue_mb=FLAGS.max_queue_mb, max_acked_ids=FLAGS.max_acked_ids,
-                       max_payload_mb=FLAGS.max_payload_mb, max_put_mb=FLAGS.max_put_mb,
-                       max_header_kb=FLAGS.max_header_kb, max_clients=FLAGS.max_clients,
-                       idle_timeout_s=FLAGS.idle_timeout_s, header_timeout_s=FLAGS.header_timeout_s,
-                       min_rate_mb_s=FLAGS.min_rate_mb_s, max_wait_s=FLAGS.max_wait_s, fsync=FLAGS.fsync,
-                       untrusted_header_kb=FLAGS.untrusted_header_kb, max_failures=FLAGS.max_failures)
+    # Every flag named like a ServerConfig field sets that field; the rest keep their defaults.
+    cfg = ServerConfig(token=token, **{f.name: FLAGS[f.name].value for f in dataclasses.fields(ServerConfig)
+                                       if f.name in FLAGS})
     serve(cfg, port_file=FLAGS.port_file)
 
   app.run(main)
