@@ -32,7 +32,7 @@ Public API
   overlong_shaping(lengths, max_len, buffer) -> penalty (<= 0, same shape as lengths)
   aggregate(x [B,T], mask [B,T], mode, max_tokens=None) -> scalar
   LossConfig (frozen dataclass), ALGORITHMS: dict[str, LossConfig], POLICY_LOSSES: dict[str, family function]
-  ppo | gspo | cispo | reinforce(cfg, logp, log_ratio, adv, w, keep) -> (per-token loss [B,T], metrics dict)
+  ppo | gspo | cispo | reinforce(cfg, logp, log_ratio, adv, w, keep) -> (per-token loss [B,T], dict for metrics)
   policy_loss(cfg, logp, old_logp, advantages [B] | [B,T], mask, *, ref_logp=None, prox_logp=None, entropy=None)
       -> (loss scalar, metrics dict of jnp scalars)
 
