@@ -316,11 +316,10 @@ def aggregate(x, mask, mode, max_tokens=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Policy losses: families, config, presets. A family maps [B,T] arrays (zero at padding) to a per-token loss;
-# policy_loss does the rest. log_ratio = logp - log pi_prox (or - log mu); adv has no gradient; w = truncated-IS
-# weight (ones without tis_cap), an input so each family keeps its own product order; keep = tokens in the loss.
-# The dict feeds metrics: "ratio" (default exp(log_ratio)), boolean "clip_low"/"clip_high"/"dual_clip" (default
-# False). A new algorithm: copy a family, add its name to POLICY_LOSSES and a preset to ALGORITHMS.
+# Policy losses: families, config, presets. A family maps [B,T] arrays (zero at padding) to a per-token loss and a
+# dict for metrics ("ratio", default exp(log_ratio); bool "clip_low"/"clip_high"/"dual_clip", default all False).
+# log_ratio = logp - log pi_prox (or - log mu); w = truncated-IS weight, an input so each family keeps its product
+# order; keep = tokens in the loss. New algorithm: copy a family, name it in POLICY_LOSSES and a preset in ALGORITHMS.
 
 
 def ppo(cfg, logp, log_ratio, adv, w, keep):
@@ -522,8 +521,9 @@ def policy_loss(cfg, logp, old_logp, advantages, mask, *, ref_logp=None, prox_lo
     keep = valid & (jnp.abs(behav_lr) <= math.log(cfg.mask_ratio_cap))
   w = jnp.ones((B, T), dt)
   if cfg.tis_cap is not None:  # capped in log space, so a sequence's product of ratios cannot overflow
-    lr = behav_lr if cfg.tis_level == "token" else jnp.sum(jnp.where(keep, behav_lr, 0), -1, keepdims=True)
-    w = jnp.broadcast_to(jnp.exp(jnp.minimum(lr, math.log(cfg.tis_cap))), (B, T))
+    log_cap = math.log(cfg.tis_cap)
+    w = (jnp.exp(jnp.minimum(behav_lr, log_cap)) if cfg.tis_level == "token" else
+         jnp.broadcast_to(jnp.exp(jnp.minimum(jnp.sum(jnp.where(keep, behav_lr, 0), -1), log_cap))[:, None], (B, T)))
 
   kl = None
   if ref_logp is not None:
