@@ -13,12 +13,10 @@ Design choices
   (scan over T chunks + remat): 0.77 x, vs 2.75 x for hidden @ unembed then the dense path.
 - Every per-token quantity is masked with `jnp.where` first, so padding (any value, even inf/nan) has zero effect
   and zero gradient.
-- Policy losses are written as per-token losses, then reduced by one `aggregate` (token-mean, seq-mean-token-mean,
-  seq-mean-token-sum); GSPO uses its token form (GSPO-token) so it reduces the same way.
-- Off-policy correction: `old_logp` are the worker's behaviour log-probs. Given `prox_logp` (the trainer's own
-  log-probs at the start of the step) the PPO ratio is pi_theta / pi_prox and truncated IS weights
-  min(pi_prox / mu, cap) correct for the behaviour mismatch (decoupled PPO). For one update per batch pass
-  `prox_logp=jax.lax.stop_gradient(logp)`.
+- A policy-loss family (`ppo`, `gspo`, `cispo`, `reinforce`) is a short function from per-token arrays to a
+  per-token loss; `policy_loss` adds the shared pieces once: masking, off-policy correction (decoupled PPO: ratio
+  to the trainer's proximal policy, truncated IS to the worker's), KL, entropy, one `aggregate`, metrics. GSPO
+  uses its token form so it reduces the same way. An algorithm is a `LossConfig` in `ALGORITHMS` naming its family.
 
 Public API
   token_logprobs(logits [B,T,V], targets [B,T], temperature=1.0) -> [B,T]
@@ -33,9 +31,8 @@ Public API
   kl_penalty(logp, ref_logp, estimator) -> [B,T]
   overlong_shaping(lengths, max_len, buffer) -> penalty (<= 0, same shape as lengths)
   aggregate(x [B,T], mask [B,T], mode, max_tokens=None) -> scalar
-  ppo / gspo / cispo / reinforce (cfg, log_r, adv, logp, keep, w) -> (per-token loss, ratio, clip masks);
-      POLICY_LOSSES: name -> one of them
-  LossConfig (frozen dataclass), ALGORITHMS: dict[str, LossConfig]
+  LossConfig (frozen dataclass), ALGORITHMS: dict[str, LossConfig], POLICY_LOSSES: dict[str, family function]
+  ppo | gspo | cispo | reinforce(cfg, logp, log_ratio, adv, w, keep) -> (per-token loss [B,T], dict for metrics)
   policy_loss(cfg, logp, old_logp, advantages [B] | [B,T], mask, *, ref_logp=None, prox_logp=None, entropy=None)
       -> (loss scalar, metrics dict of jnp scalars)
 
@@ -52,6 +49,7 @@ import jax.numpy as jnp
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce")
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+sg = jax.lax.stop_gradient  # the papers' sg(.)
 
 
 def _compute_dtype(dtype):
@@ -318,64 +316,53 @@ def aggregate(x, mask, mode, max_tokens=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Policy losses: one short function per algorithm family.
-
-# One short function per algorithm family: per-token loss of the importance ratio. Each takes the config, the
-# log-ratio log r = log pi_theta - log pi_base [B,T] (pi_base: prox_logp, else the behaviour mu), the fixed
-# advantages A [B,T], the differentiated log pi_theta [B,T], the tokens kept `keep` [B,T] and the IS weight w
-# [B,T]; it returns (per-token loss [B,T], ratio [B,T], {"clip_low" | "clip_high" | "dual": bool [B,T]} for the
-# metrics). policy_loss does the rest, the same for all: padding, IS, KL, aggregation, entropy, metrics. A new
-# algorithm: copy one, edit it, add it to POLICY_LOSSES and give it a preset in ALGORITHMS.
+# Policy losses: families, config, presets. A family maps [B,T] arrays (zero at padding) to a per-token loss and a
+# dict for metrics ("ratio", default exp(log_ratio); bool "clip_low"/"clip_high"/"dual_clip", default all False).
+# log_ratio = logp - log pi_prox (or - log mu); w = truncated-IS weight, an input so each family keeps its product
+# order; keep = tokens in the loss. New algorithm: copy a family, name it in POLICY_LOSSES and a preset in ALGORITHMS.
 
 
-def ppo(cfg, log_r, adv, logp, keep, w):
-  """PPO-clip (Schulman et al. 2017): -w min(r A, clip(r, 1-eps_low, 1+eps_high) A); with dual_clip_c = c and
-  A < 0 the objective is max(that, c A) (Ye et al. 2020, arXiv 1912.09729). eps_high > eps_low: DAPO clip-higher."""
-  ratio = jnp.exp(log_r)
+def ppo(cfg, logp, log_ratio, adv, w, keep):
+  """-w min(r A, clip(r, 1-eps_low, 1+eps_high) A) (Schulman et al. 2017, arXiv 1707.06347); eps_high > eps_low is
+  DAPO clip-higher. dual_clip_c = c: for A < 0 the objective is max(that, c A) (Ye et al. 2020, arXiv 1912.09729)."""
+  ratio = jnp.exp(log_ratio)
   lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
   obj = jnp.minimum(ratio * adv, jnp.clip(ratio, lo, hi) * adv)
-  cut = dict(clip_low=(ratio < lo) & (adv < 0), clip_high=(ratio > hi) & (adv > 0))  # where the gradient is cut
+  info = dict(ratio=ratio, clip_low=(ratio < lo) & (adv < 0), clip_high=(ratio > hi) & (adv > 0))  # grad cut
   if cfg.dual_clip_c is not None:
-    cut["dual"] = (adv < 0) & (ratio > cfg.dual_clip_c)
+    info["dual_clip"] = (adv < 0) & (ratio > cfg.dual_clip_c)
     obj = jnp.where(adv < 0, jnp.maximum(obj, cfg.dual_clip_c * adv), obj)
-  return -w * obj, ratio, cut
+  return -w * obj, info
 
 
-def gspo(cfg, log_r, adv, logp, keep, w):
-  """GSPO (Zheng et al. 2025, arXiv 2507.18071), token form: PPO's clip on s_bt = sg(s_b) pi_t / sg(pi_t) with
-  s_b = exp(mean_t log r_bt): numerically s_b at every token, gradient s_b A grad log pi_t, so with
-  agg="seq_mean_token_mean" it is exactly GSPO."""
-  sg = jax.lax.stop_gradient
-  log_s = jnp.sum(jnp.where(keep, log_r, 0), -1) / jnp.maximum(jnp.sum(keep, -1), 1)  # [B] length-normalised
-  return ppo(cfg, sg(log_s)[:, None] + logp - sg(logp), adv, logp, keep, w)
+def gspo(cfg, logp, log_ratio, adv, w, keep):
+  """ppo on the GSPO-token ratio sg(s_b) pi_t / sg(pi_t), s_b = exp(mean_t log r_bt) (Zheng et al. 2025, arXiv
+  2507.18071): value s_b, gradient s_b A grad log pi_t at every token; with agg="seq_mean_token_mean" exactly GSPO."""
+  log_s = jnp.sum(jnp.where(keep, log_ratio, 0), -1) / jnp.maximum(jnp.sum(keep, -1), 1)  # [B]
+  return ppo(cfg, logp, sg(log_s)[:, None] + logp - sg(logp), adv, w, keep)
 
 
-def cispo(cfg, log_r, adv, logp, keep, w):
-  """CISPO (MiniMax-M1, arXiv 2506.13585): -w sg(clip(r, 1-cispo_eps_low, 1+cispo_eps_high)) A log pi: every
-  token keeps a gradient, the IS weight is clipped."""
-  ratio = jnp.exp(log_r)
+def cispo(cfg, logp, log_ratio, adv, w, keep):
+  """-w sg(clip(r, 1-cispo_eps_low, 1+cispo_eps_high)) A log pi (MiniMax-M1, arXiv 2506.13585): the IS weight is
+  clipped, every token keeps its gradient; cispo_eps_low=None means no lower bound."""
+  ratio = jnp.exp(log_ratio)
   lo, hi = 0.0 if cfg.cispo_eps_low is None else 1 - cfg.cispo_eps_low, 1 + cfg.cispo_eps_high
-  return -w * jax.lax.stop_gradient(jnp.clip(ratio, lo, hi)) * adv * logp, ratio, dict(clip_low=ratio < lo,
-                                                                                        clip_high=ratio > hi)
+  return -w * sg(jnp.clip(ratio, lo, hi)) * adv * logp, dict(ratio=ratio, clip_low=ratio < lo, clip_high=ratio > hi)
 
 
-def reinforce(cfg, log_r, adv, logp, keep, w):
-  """REINFORCE (Williams 1992; RLOO uses it on-policy): -w A log pi."""
-  return -w * adv * logp, jnp.exp(log_r), {}
+def reinforce(cfg, logp, log_ratio, adv, w, keep):
+  """-w A log pi (Williams 1992; RLOO uses it on-policy)."""
+  return -w * adv * logp, {}
 
 
 POLICY_LOSSES = dict(ppo=ppo, gspo=gspo, cispo=cispo, reinforce=reinforce)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Configuration and presets.
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
   """Everything policy_loss / config_advantages need. Validated on construction (and on dataclasses.replace).
 
-  policy_loss      "ppo" | "gspo" | "cispo" | "reinforce"  (see policy_loss)
+  policy_loss      a POLICY_LOSSES name: "ppo" | "gspo" | "cispo" | "reinforce"
   advantage        an ADVANTAGE_ESTIMATORS name, or "gae" (PPO with a value head; call losses.gae)
   agg              an AGG_MODES name; max_tokens is the seq_mean_token_sum constant (None = padded length T)
   eps_low/high     PPO / GSPO ratio clip range [1 - eps_low, 1 + eps_high] (eps_high > eps_low = DAPO clip-higher)
@@ -483,18 +470,17 @@ def config_advantages(cfg, rewards, lengths=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Policy loss.
+# Policy loss: the shared wrapper around a family.
 
 
 def policy_loss(cfg, logp, old_logp, advantages, mask, *, ref_logp=None, prox_logp=None, entropy=None):
   """Scalar loss to minimise and a dict of jnp-scalar metrics. All [B,T] inputs; advantages [B] or [B,T].
 
-  logp       trainer log-probs of the sampled tokens (differentiated).
-  old_logp   behaviour log-probs mu from the worker that sampled the tokens.
+  logp       trainer log-probs of the sampled tokens (differentiated); old_logp: the worker's behaviour mu.
   prox_logp  optional proximal policy (trainer log-probs at the start of the step, no gradient). Decoupled PPO
              (Hilton et al. 2021, arXiv 2110.00641): the ratio is r = pi_theta / pi_prox and the behaviour
              mismatch pi_prox / mu is handled by truncated IS. Without it r = pi_theta / mu.
-  The per-token loss is POLICY_LOSSES[cfg.policy_loss] (above). Around it, the same for every algorithm:
+  The per-token loss is POLICY_LOSSES[cfg.policy_loss]; this wrapper adds the shared pieces:
   Truncated IS (Espeholt et al. 2018, arXiv 1802.01561; Yao et al. 2025, "Your Efficient RL Framework Secretly
   Brings You Off-Policy RL Training"): token w_bt = min(pi_prox/mu, cap); sequence w_b = min(prod_t pi_prox/mu, cap)
   (computed in log space). Needs prox_logp; for one update per batch pass prox_logp=jax.lax.stop_gradient(logp).
@@ -506,8 +492,7 @@ def policy_loss(cfg, logp, old_logp, advantages, mask, *, ref_logp=None, prox_lo
   Entropy bonus: loss -= entropy_coef * agg(entropy) (entropy from token_logprobs_and_entropy, differentiated).
   """
   B, T = logp.shape
-  for name, x in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp), ("prox_logp", prox_logp),
-                  ("entropy", entropy)):
+  for name, x in dict(old_logp=old_logp, mask=mask, ref_logp=ref_logp, prox_logp=prox_logp, entropy=entropy).items():
     if x is not None and x.shape != (B, T):
       raise ValueError(f"policy_loss: {name} shape {x.shape} != logp shape {(B, T)}")
   if advantages.shape not in ((B,), (B, T)):
@@ -520,7 +505,6 @@ def policy_loss(cfg, logp, old_logp, advantages, mask, *, ref_logp=None, prox_lo
     raise ValueError(f"policy_loss: tis_cap={cfg.tis_cap} needs prox_logp (the trainer's log-probs before the "
                      f"update; for one update per batch pass prox_logp=jax.lax.stop_gradient(logp))")
 
-  sg = jax.lax.stop_gradient
   dt = _compute_dtype(logp.dtype)
   valid = mask.astype(bool)
   # Zero padding first (where, not *): inf/nan there then cannot reach the loss or the gradient.
@@ -529,21 +513,17 @@ def policy_loss(cfg, logp, old_logp, advantages, mask, *, ref_logp=None, prox_lo
   adv = jnp.broadcast_to(advantages[:, None], (B, T)) if advantages.ndim == 1 else advantages
   adv = jnp.where(valid, sg(adv), 0).astype(dt)
   base = prox_logp if prox_logp is not None else old_logp
-  trainer = sg(prox_logp if prox_logp is not None else logp)
 
   # Off-policy correction between the trainer's and the worker's log-probs.
-  behav_lr = trainer - old_logp  # log(pi_trainer / mu)
+  behav_lr = sg(prox_logp if prox_logp is not None else logp) - old_logp  # log(pi_trainer / mu)
   keep = valid
   if cfg.mask_ratio_cap is not None:
     keep = valid & (jnp.abs(behav_lr) <= math.log(cfg.mask_ratio_cap))
   w = jnp.ones((B, T), dt)
-  if cfg.tis_cap is not None:
+  if cfg.tis_cap is not None:  # capped in log space, so a sequence's product of ratios cannot overflow
     log_cap = math.log(cfg.tis_cap)
-    if cfg.tis_level == "token":
-      w = jnp.exp(jnp.minimum(behav_lr, log_cap))
-    else:
-      w = jnp.broadcast_to(jnp.exp(jnp.minimum(jnp.sum(jnp.where(keep, behav_lr, 0), -1), log_cap))[:, None],
-                           (B, T))
+    w = (jnp.exp(jnp.minimum(behav_lr, log_cap)) if cfg.tis_level == "token" else
+         jnp.broadcast_to(jnp.exp(jnp.minimum(jnp.sum(jnp.where(keep, behav_lr, 0), -1), log_cap))[:, None], (B, T)))
 
   kl = None
   if ref_logp is not None:
@@ -553,9 +533,10 @@ def policy_loss(cfg, logp, old_logp, advantages, mask, *, ref_logp=None, prox_lo
       kl_to_go = jnp.flip(jnp.cumsum(jnp.flip(kl_fixed, -1), -1), -1)
       adv = jnp.where(valid, adv - cfg.kl_coef * kl_to_go, 0)
 
-  per_tok, ratio, cut = POLICY_LOSSES[cfg.policy_loss](cfg, logp - base, adv, logp, keep, w)
-  zero = jnp.zeros((B, T), bool)
-  clip_low, clip_high, dual = (cut.get(k, zero) for k in ("clip_low", "clip_high", "dual"))
+  log_ratio = logp - base
+  per_tok, info = POLICY_LOSSES[cfg.policy_loss](cfg, logp, log_ratio, adv, w, keep)
+  ratio = info.get("ratio", jnp.exp(log_ratio))
+  clip_low, clip_high, dual = (info.get(k, jnp.zeros((B, T), bool)) for k in ("clip_low", "clip_high", "dual_clip"))
 
   agg = lambda x: aggregate(x, keep, cfg.agg, cfg.max_tokens)
   pg_loss = agg(per_tok)
@@ -567,16 +548,13 @@ def policy_loss(cfg, logp, old_logp, advantages, mask, *, ref_logp=None, prox_lo
   n = jnp.maximum(jnp.sum(valid), 1)
   frac = lambda b: jnp.sum(b & valid) / n
   vmean = lambda x: jnp.sum(jnp.where(valid, x, 0)) / n
-  any_valid = jnp.any(valid)
-  vmax = lambda x: jnp.where(any_valid, jnp.max(jnp.where(valid, x, -jnp.inf)), 0.0)
-  vmin = lambda x: jnp.where(any_valid, jnp.min(jnp.where(valid, x, jnp.inf)), 0.0)
+  vmax = lambda x: jnp.where(jnp.any(valid), jnp.max(jnp.where(valid, x, -jnp.inf)), 0.0)
+  vmin = lambda x: jnp.where(jnp.any(valid), jnp.min(jnp.where(valid, x, jnp.inf)), 0.0)
   metrics = dict(
       loss=loss, pg_loss=pg_loss, kl_loss=jnp.asarray(kl_loss, dt), entropy_loss=jnp.asarray(ent_loss, dt),
       clip_frac_low=frac(clip_low), clip_frac_high=frac(clip_high), clip_frac=frac(clip_low | clip_high),
-      dual_clip_frac=frac(dual),
-      ratio_mean=vmean(sg(ratio)), ratio_min=vmin(sg(ratio)), ratio_max=vmax(sg(ratio)),
-      is_weight_mean=vmean(w), is_weight_max=vmax(w),
-      masked_frac=frac(~keep),
+      dual_clip_frac=frac(dual), ratio_mean=vmean(sg(ratio)), ratio_min=vmin(sg(ratio)), ratio_max=vmax(sg(ratio)),
+      is_weight_mean=vmean(w), is_weight_max=vmax(w), masked_frac=frac(~keep),
       behav_ratio_mean=vmean(jnp.exp(behav_lr)), behav_abs_logratio_max=vmax(jnp.abs(behav_lr)),
       kl=vmean(sg(kl)) if kl is not None else jnp.zeros((), dt),
       entropy=vmean(sg(entropy)) if entropy is not None else jnp.zeros((), dt),

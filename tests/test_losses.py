@@ -534,6 +534,17 @@ def test_all_algorithms_present_and_selectable_by_name():
     dataclasses.replace(losses.ALGORITHMS["grpo"], agg="mean")
 
 
+def test_a_new_family_is_a_function_and_its_name(monkeypatch):
+  # The README's recipe: a function of per-token arrays, its name in POLICY_LOSSES, a LossConfig naming it.
+  double = lambda cfg, logp, log_ratio, adv, w, keep: (-w * adv * logp * 2.0, {})  # noqa: E731
+  monkeypatch.setitem(losses.POLICY_LOSSES, "double_reinforce", double)
+  logp, old, prox, ref, ent, adv, mask = make_batch(5)
+  l2, m2 = losses.policy_loss(cfg_of(policy_loss="double_reinforce"), logp, old, adv, mask)
+  l1, m1 = losses.policy_loss(cfg_of(policy_loss="reinforce"), logp, old, adv, mask)
+  np.testing.assert_allclose(l2, 2 * l1, rtol=1e-6)
+  assert list(m2) == list(m1) and float(m2["clip_frac"]) == 0.0
+
+
 @pytest.mark.parametrize("name", sorted(losses.ALGORITHMS))
 def test_every_algorithm_runs_jitted_with_finite_loss_and_grads(name):
   cfg = losses.ALGORITHMS[name]
