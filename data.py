@@ -90,6 +90,9 @@ Public API
   filter_by_pass_rate(problems, rates, low=0.0, high=1.0); curate(problems, sample_fn, k, out_path, ...)
   PassRateTracker(ema=0.9): update(id, rewards), rate(id), state_dict(), load_state_dict(d), summary()
   dynamic_sampling_filter(groups, key=None, eps=1e-6) -> kept groups
+  PromptItem(id, problem, prompt_tokens, group_size, partial=None), Rollout(id, version, worker, problem,
+      prompt_tokens, completions, logprobs, rewards, gen_s, stats): the queue records; .to_wire() -> dict,
+      .from_wire(d) (ValueError naming the item and field)
   pad_to_bucket(length, buckets=DEFAULT_BUCKETS) -> int
   make_batch(prompt_ids_list, completion_ids_list, buckets=DEFAULT_BUCKETS, pad_id=0, batch_size=None,
              completion_extras=None) -> dict of numpy arrays
