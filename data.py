@@ -1403,12 +1403,16 @@ class Rollout:
     for i, (c, lp) in enumerate(zip(comps, lps)):
       if not isinstance(lp, (np.ndarray, list)) or np.shape(lp) != c.shape:
         raise ValueError(f"{where}: logprobs[{i}] must be {len(c)} log-probs, one per completion token")
-    known = {f.name for f in dataclasses.fields(cls)} | set(_problem_wire(Problem("", "", "")))
-    stats = {k: v for k, v in d.items() if k not in known and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    stats = {k: v for k, v in d.items()
+             if k not in _ROLLOUT_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)}
     return cls(d["id"], d["version"], str(d.get("worker", "")), _problem_from_wire(d, where),
                _token_ids(d.get("prompt_tokens"), "prompt_tokens", where), comps,
                [np.asarray(lp, np.float32) for lp in lps], rewards.astype(np.float32), float(d.get("gen_s", 0.0)),
                stats)
+
+
+# Wire keys that are Rollout fields or its problem's; any other numeric key is a worker stat.
+_ROLLOUT_FIELDS = {f.name for f in dataclasses.fields(Rollout)} | set(_problem_wire(Problem("", "", "")))
 
 
 def group_has_signal(rewards, eps: float = 1e-6) -> bool:

@@ -242,14 +242,14 @@ class Collector:
     """Keeps `target` prompts issued and not yet consumed."""
     items = []
     while self.issued - len(self.ledger) < target:
-      items.append(self.prompt_item(f"s{self.seq}", self.next_in_band()))
+      items.append(self.prompt_item(f"s{self.seq}", self.next_in_band()).to_wire())
       self.seq += 1
       self.issued += 1
     if items:
       self.client.put("prompts", items)
 
   def prompt_item(self, pid, problem):
-    return data.PromptItem(pid, problem, np.asarray(self.encode(problem), np.int32), self.group_size).to_wire()
+    return data.PromptItem(pid, problem, np.asarray(self.encode(problem), np.int32), self.group_size)
 
   def next_in_band(self):
     # At most one pass over the stream is skipped, so a band that nothing is inside cannot stall the run.
@@ -278,11 +278,11 @@ class Collector:
     prompts of the stream (ids c<i>, scored, never trained on); their pass rates go into the tracker, which
     decides what is issued (in_band). The stream itself stays the whole training set: RL on a small kept subset
     memorises it (measured: a 754-prompt subset, each drawn ~25 times, raised the training reward 0.19 -> 0.47
-    and held-out pass@8 fell 36.6% -> 18.8%). Returns {problem: pass rate}."""
+    and held-out pass@8 fell 36.6% -> 18.8%). Returns (the candidate problems, {problem id: pass rate})."""
     from tqdm import tqdm
     cand = self.stream.peek(min(n, len(self.stream.problems)))
     for s in range(0, len(cand), 256):  # bounded frames
-      self.client.put("prompts", [self.prompt_item(f"c{i}", p) for i, p in enumerate(cand[s:s + 256], s)])
+      self.client.put("prompts", [self.prompt_item(f"c{i}", p).to_wire() for i, p in enumerate(cand[s:s + 256], s)])
     seen = set()
     bar = tqdm(total=len(cand), desc="curation: base pass rates", dynamic_ncols=True, mininterval=1.0)
     while len(seen) < len(cand):
@@ -295,4 +295,4 @@ class Collector:
           bar.update(1)
         self.client.ack("rollouts", [it["id"]])
     bar.close()
-    return {p: self.tracker.rate(p.id) for p in cand}
+    return cand, {p.id: self.tracker.rate(p.id) for p in cand}

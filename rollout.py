@@ -533,17 +533,14 @@ def _client(token):
   return param_server.Client(host, int(port), token=token, retries=FLAGS.server_retries)
 
 
-PARTIAL = data.PARTIAL_FIELDS
-
-
 def partial_of(fields, G, M, vocab):
   """The partial rollout a preempted worker handed back (`fields`: a PromptItem's `partial`, or its wire dict:
   per sample its tokens so far, their behaviour log-probs and policy versions, and whether it had finished) as
   four lists of G, checked; a ValueError names the field and sample. None if it carries none."""
-  if not fields or not any(k in fields for k in PARTIAL):
+  if not fields or not any(k in fields for k in data.PARTIAL_FIELDS):
     return None
-  out = [fields.get(k) for k in PARTIAL]
-  for k, v in zip(PARTIAL, out):
+  out = [fields.get(k) for k in data.PARTIAL_FIELDS]
+  for k, v in zip(data.PARTIAL_FIELDS, out):
     if not isinstance(v, list) or len(v) != G:
       raise ValueError(f"{k} must be a list of group_size={G} entries, got {type(v).__name__} "
                        f"of {len(v) if isinstance(v, list) else '-'}")
@@ -812,7 +809,7 @@ def run_worker():
 
 def hand_back(client, engine, groups):
   """Returns the unfinished prompts so they are re-issued now rather than after their lease expires, each with
-  its partial rollout (tokens so far, behaviour log-probs, versions, done; fields PARTIAL) when it has one:
+  its partial rollout (tokens so far, behaviour log-probs, versions, done; data.PARTIAL_FIELDS) when it has one:
   the next worker continues it instead of generating those tokens again (slime / AReaL partial rollouts)."""
   partial, plain, saved = [], [], 0
   for gid, g in groups.items():

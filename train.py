@@ -363,11 +363,11 @@ def curate(collector, stop, metrics):
   """Once per run, before training: the base policy's pass rates on --curate_prompts prompts (Collector.curate)
   decide what is issued; curated.jsonl shows the user what was kept."""
   t = time.time()
-  rates = collector.curate(FLAGS.curate_prompts, stop)
-  kept = data.filter_by_pass_rate(list(rates), {p.id: r for p, r in rates.items()}, *collector.band)
-  data.write_jsonl(os.path.join(FLAGS.run_dir, "curated.jsonl"), kept, {p.id: r for p, r in rates.items()})
+  cand, rates = collector.curate(FLAGS.curate_prompts, stop)
+  kept = data.filter_by_pass_rate(cand, rates, *collector.band)
+  data.write_jsonl(os.path.join(FLAGS.run_dir, "curated.jsonl"), kept, rates)
   r = np.asarray(list(rates.values()))
-  rec = dict(step=0, curation_prompts=len(rates), curation_kept=len(kept), curation_s=time.time() - t,
+  rec = dict(step=0, curation_prompts=len(cand), curation_kept=len(kept), curation_s=time.time() - t,
              curation_mean_rate=float(r.mean()), curation_never=float((r == 0).mean()),
              curation_always=float((r == 1).mean()))
   logging.info("curation: %s", rec)
@@ -441,10 +441,10 @@ def run_rl():
     servers[0].requeue("rollouts")  # leases held by a previous incarnation of this trainer come back now
   # The workers' sampling settings travel with the weights (manifest header fields): one source of truth for
   # what the loss scores. max_prompt_len: the longest kept prompt, so the workers size their KV cache from it.
-  gen = dict(temperature=FLAGS.temperature, top_p=FLAGS.top_p, max_new_tokens=FLAGS.max_new_tokens)  # exports
   meta = dict(config=cfg.to_hf_dict(), sampling=dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k,
                                                      top_p=FLAGS.top_p, max_new_tokens=FLAGS.max_new_tokens,
                                                      max_prompt_len=max_prompt))
+  gen = {k: meta["sampling"][k] for k in ("temperature", "top_p", "max_new_tokens")}  # the exports' generation_config
   state["version"] = publish(servers, state["version"], params["policy"], meta)
   metrics = learner.Metrics(os.path.join(FLAGS.run_dir, "metrics.jsonl"))
   if FLAGS.curate_prompts and not state.get("curated"):

@@ -162,3 +162,24 @@ def test_a_stop_hands_the_partial_batch_back_and_a_restart_trains_each_rollout_o
   assert got.duplicates == 4  # recorded by the checkpoint: acked now, never trained twice
   assert sorted(int(g.id[1:]) for g in got.groups) == [4, 5, 6, 7]  # issued ahead before the crash: trained once
   assert c.stats()["queues"]["rollouts"]["leased"] == 4  # only the new ones are held
+
+
+def test_curation_rates_the_next_prompts_without_consuming_the_stream(server):
+  c, col = collector(server, band=(0.0, 1.0))
+  head = col.stream.peek(3)
+  stop = threading.Event()
+  how = {f"c{i}": dict(rewards=r) for i, r in enumerate(((1.0, 1.0), (0.0, 0.0), (1.0, 0.0)))}
+  t = threading.Thread(target=lambda: [answer(c, how) for _ in iter(lambda: stop.wait(0.05), True)], daemon=True)
+  t.start()
+  try:
+    cand, rates = col.curate(3, Stop())
+  finally:
+    stop.set()
+    t.join()
+  assert cand == head and rates == {head[0].id: 1.0, head[1].id: 0.0, head[2].id: 0.5}
+  assert data.filter_by_pass_rate(cand, rates, *col.band) == [head[2]]  # never and always solved: not kept
+  assert col.stream.peek(3) == head and col.seq == 0  # the stream is untouched: curation trains nothing
+  assert c.stats()["queues"]["rollouts"]["ready"] == c.stats()["queues"]["rollouts"]["leased"] == 0  # all acked
+  col.issue(1)  # the stream's first two prompts are out of the band: skipped, the third is issued as s0
+  assert [(it["id"], it["prompt_id"]) for it in c.get("prompts", 10)] == [("s0", head[2].id)]
+  assert col.band_skipped == 2
