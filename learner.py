@@ -184,10 +184,9 @@ def _make_update(optimizer, loss_fn, grad_accum):
       return jax.tree.map(jnp.add, acc, (g, loss, m)), None
 
     mbs = _microbatches(batch, grad_accum)
-    zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+    zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
         lambda: (params, *jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params,
                                                                     jax.tree.map(lambda x: x[0], mbs))[0])))
-    zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zero)
     (g, loss, m), _ = jax.lax.scan(micro, zero, mbs)
     g, loss, m = jax.tree.map(lambda x: x / grad_accum, (g, loss, m))
     updates, opt_state = optimizer.update(g, opt_state, params)
@@ -414,26 +413,23 @@ def teacher_completion(problem, slip: float, rng) -> str:
   return text
 
 
-# Fields of a training batch, in the order broadcast_batch sends them.
 # ----------------------------------------------------------------------------------------------------------------
 # Multi-process: process 0's batch and decisions, on every process
 
-
-BATCH_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "behaviour_logp", "token_rewards",
-              "advantages")
+# Fields of a training batch and their dtypes, in the order broadcast_batch sends them.
+BATCH_KEYS = dict(tokens=np.int32, targets=np.int32, positions=np.int32, segment_ids=np.int32, loss_mask=np.float32,
+                  behaviour_logp=np.float32, token_rewards=np.float32, advantages=np.float32)
 
 
 def broadcast_batch(batch):
   """Process 0's host batch -> every process (shapes first, since broadcast needs equal shapes)."""
   if jax.process_count() == 1:
     return batch
-  keys = BATCH_KEYS
   lead = jax.process_index() == 0
   shape = np.asarray(batch["tokens"].shape if lead else (0, 0), np.int32)
   shape = tuple(int(x) for x in multihost_utils.broadcast_one_to_all(shape))
-  dtypes = dict(tokens=np.int32, targets=np.int32, positions=np.int32, segment_ids=np.int32, loss_mask=np.float32,
-                behaviour_logp=np.float32, token_rewards=np.float32, advantages=np.float32)
-  tmpl = {k: (batch[k] if lead else np.zeros(shape[:1] if k == "advantages" else shape, dtypes[k])) for k in keys}
+  tmpl = {k: (batch[k] if lead else np.zeros(shape[:1] if k == "advantages" else shape, dt))
+          for k, dt in BATCH_KEYS.items()}
   return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tmpl))
 
 

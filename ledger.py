@@ -278,7 +278,8 @@ class Collector:
     prompts of the stream (ids c<i>, scored, never trained on); their pass rates go into the tracker, which
     decides what is issued (in_band). The stream itself stays the whole training set: RL on a small kept subset
     memorises it (measured: a 754-prompt subset, each drawn ~25 times, raised the training reward 0.19 -> 0.47
-    and held-out pass@8 fell 36.6% -> 18.8%). Returns (the candidate problems, {problem id: pass rate})."""
+    and held-out pass@8 fell 36.6% -> 18.8%). Returns (the rated candidates, {problem id: pass rate}); a malformed
+    rollout is logged and its prompt left unrated."""
     from tqdm import tqdm
     cand = self.stream.peek(min(n, len(self.stream.problems)))
     for s in range(0, len(cand), 256):  # bounded frames
@@ -291,8 +292,13 @@ class Collector:
       for it in self.client.get("rollouts", max_items=64, wait_s=self.wait_s, lease_s=self.lease_s):
         if it["id"].startswith("c") and it["id"] not in seen:
           seen.add(it["id"])
-          self.tracker.update(it["prompt_id"], it["rewards"])
           bar.update(1)
+          try:
+            r = data.Rollout.from_wire(it)
+            self.tracker.update(r.problem.id, r.rewards)
+          except ValueError as e:  # its prompt stays unrated, which in_band treats as worth issuing
+            logging.error("%s; curation rollout skipped", e)
         self.client.ack("rollouts", [it["id"]])
     bar.close()
-    return cand, {p.id: self.tracker.rate(p.id) for p in cand}
+    rated = [p for p in cand if self.tracker.rate(p.id) is not None]  # all but malformed rollouts' prompts
+    return rated, {p.id: self.tracker.rate(p.id) for p in rated}

@@ -169,10 +169,11 @@ def test_curation_rates_the_next_prompts_without_consuming_the_stream(server):
   head = col.stream.peek(3)
   stop = threading.Event()
   how = {f"c{i}": dict(rewards=r) for i, r in enumerate(((1.0, 1.0), (0.0, 0.0), (1.0, 0.0)))}
+  how["c3"] = dict(malformed=True)  # logged and left unrated: curation neither crashes nor waits for it
   t = threading.Thread(target=lambda: [answer(c, how) for _ in iter(lambda: stop.wait(0.05), True)], daemon=True)
   t.start()
   try:
-    cand, rates = col.curate(3, Stop())
+    cand, rates = col.curate(4, Stop())
   finally:
     stop.set()
     t.join()
