@@ -1393,7 +1393,7 @@ _ROLLOUT_FIELDS = {f.name for f in dataclasses.fields(Rollout)} | set(_problem_w
 
 def group_has_signal(rewards, eps: float = 1e-6) -> bool:
   """The one dynamic-sampling criterion (DAPO): a group's rewards are not all equal (max - min > eps); a group
-  that fails it carries no GRPO advantage. Used by train.py and dynamic_sampling_filter."""
+  that fails it carries no GRPO advantage. Used by ledger.Collector and dynamic_sampling_filter."""
   r = np.asarray(rewards, np.float64)
   return bool(r.size) and float(r.max() - r.min()) > eps
 
@@ -1477,13 +1477,11 @@ def pack(prompt_ids_list, completion_ids_list, seq_len: int, pad_id: int = 0, nu
     L = len(p) + len(c)
     if L > seq_len:
       raise ValueError(f"pack: sequence {i} has {L} tokens > seq_len {seq_len}")
-    r = next((r for r, (used, _) in enumerate(fill) if used + L <= seq_len), None)
-    if r is None:
+    r = next((r for r, (used, _) in enumerate(fill) if used + L <= seq_len), len(fill))
+    if r == len(fill):
       fill.append([0, 0])
-      r = len(fill) - 1
     placed.append((r, fill[r][0], fill[r][1] + 1))
-    fill[r][0] += L
-    fill[r][1] += 1
+    fill[r] = [fill[r][0] + L, fill[r][1] + 1]
   R = len(fill) if num_rows is None else num_rows
   if len(fill) > R:
     raise ValueError(f"pack: {len(prompt_ids_list)} sequences need {len(fill)} rows of {seq_len}, only {num_rows} allowed")
