@@ -105,11 +105,13 @@ Run
 import ast
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import math
 import multiprocessing
 import multiprocessing.connection
+import operator
 import os
 import random
 import re
@@ -120,7 +122,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from fractions import Fraction
 from typing import Callable, Optional, Sequence
 
@@ -156,9 +158,8 @@ class Problem:
 
 def render_prompt(problem: Problem, template: str = "plain", system: Optional[str] = None,
                   chat_template: Optional["ChatTemplate"] = None) -> str:
-  """The one place a prompt template is applied. "plain": the prompt as is (built-in tasks).
-  "chatml": Qwen/QwQ-style chat turns ending with the assistant header, ready for generation.
-  "hf": the checkpoint's own Jinja `chat_template` (see load_chat_template), with add_generation_prompt."""
+  """"plain": the prompt as is (built-in tasks). "chatml": Qwen/QwQ-style chat turns ending with the assistant
+  header, ready for generation. "hf": the checkpoint's own Jinja `chat_template` (see load_chat_template)."""
   system = problem.system if system is None else system
   if template == "plain":
     return problem.prompt
@@ -200,15 +201,27 @@ class ChatTemplate:
                                                **dict(self.kwargs))
 
 
+def _read_json(folder, name) -> dict:
+  """folder/name parsed as JSON, or {} when the file does not exist (optional HF config files)."""
+  p = os.path.join(folder, name)
+  if not os.path.exists(p):
+    return {}
+  with open(p, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _special_token(cfg, field):
+  """A special token's text from an HF config: a plain string or an AddedToken dict {"content": ...}."""
+  t = cfg.get(field)
+  return t.get("content") if isinstance(t, dict) else t
+
+
 def load_chat_template(path, **kwargs) -> ChatTemplate:
   """`path`: a checkpoint dir (or a file inside it) with tokenizer_config.json holding "chat_template"
   (or a chat_template.jinja file, as newer transformers write)."""
   folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
   cfg_path = os.path.join(folder, "tokenizer_config.json")
-  cfg = {}
-  if os.path.exists(cfg_path):
-    with open(cfg_path, encoding="utf-8") as f:
-      cfg = json.load(f)
+  cfg = _read_json(folder, "tokenizer_config.json")
   src = cfg.get("chat_template")
   if isinstance(src, list):  # [{"name": "default", "template": ...}, ...]
     src = next((t["template"] for t in src if t.get("name") == "default"), None)
@@ -218,12 +231,8 @@ def load_chat_template(path, **kwargs) -> ChatTemplate:
       src = f.read()
   if not src:
     raise ValueError(f"load_chat_template: no 'chat_template' in {cfg_path} nor {jinja}; use --template=chatml/plain")
-
-  def tok(field):
-    t = cfg.get(field)
-    return (t.get("content") if isinstance(t, dict) else t) or ""
-
-  return ChatTemplate(src, tok("bos_token"), tok("eos_token"), tuple(sorted(kwargs.items())))
+  return ChatTemplate(src, _special_token(cfg, "bos_token") or "", _special_token(cfg, "eos_token") or "",
+                      tuple(sorted(kwargs.items())))
 
 
 def _parse_tests(raw, where):
@@ -249,15 +258,8 @@ SHAPES = ("auto", "prompt", "messages", "gsm8k", "math")
 def detect_shape(d) -> Optional[str]:
   """Which jsonl shape a record has: "prompt" {"prompt","answer"}, "messages" {"messages":[...],"answer"},
   "gsm8k" {"question","answer": "... #### N"}, "math" {"problem","solution": "... \\boxed{X}"}; None if none."""
-  if "prompt" in d:
-    return "prompt"
-  if "messages" in d:
-    return "messages"
-  if "question" in d:
-    return "gsm8k"
-  if "problem" in d:
-    return "math"
-  return None
+  return next((shape for key, shape in (("prompt", "prompt"), ("messages", "messages"), ("question", "gsm8k"),
+                                        ("problem", "math")) if key in d), None)
 
 
 def _need_str(d, field, where):
@@ -360,7 +362,7 @@ def load_jsonl(path, shape: str = "auto") -> list:
 
 
 def fit_prompts(problems, encode: Callable, max_new_tokens: int, max_seq_len: int):
-  """Splits problems into (kept, skipped) by whether prompt tokens + max_new_tokens <= max_seq_len.
+  """(kept, skipped, longest kept prompt) by whether prompt tokens + max_new_tokens <= max_seq_len.
   encode(problem) -> token ids (rendered template included). skipped: [(problem, n_tokens)], each logged with
   its file:line, length and the limit, so a prompt that cannot fit is refused at load, never in a worker."""
   kept, skipped, lengths = [], [], []
@@ -393,8 +395,7 @@ def write_jsonl(path, problems, pass_rates: Optional[dict] = None):
 
 
 def split(problems, held_out, seed: int = 0):
-  """Deterministic train/held-out split by a seeded permutation; both parts keep the input order.
-  held_out: a fraction in (0, 1) or an int count."""
+  """Deterministic train/held-out split by a seeded permutation; both parts keep the input order."""
   n = len(problems)
   if isinstance(held_out, float) and 0.0 < held_out < 1.0:
     n_eval = max(1, round(held_out * n))
@@ -484,13 +485,8 @@ class Tokenizer:
     return [self.bos_id] + ids if add_bos and self.bos_id is not None else ids
 
   def decode(self, ids) -> str:
-    keep = []
-    for i in ids:
-      i = int(i)
-      if i in self.stop_ids:
-        break
-      if i != self.pad_id and i != self.bos_id:
-        keep.append(i)
+    ids = itertools.takewhile(lambda i: i not in self.stop_ids, map(int, ids))
+    keep = [i for i in ids if i != self.pad_id and i != self.bos_id]
     return self.sp.decode(keep) if self.sp is not None else self.hf.decode(keep, skip_special_tokens=False)
 
   def pieces(self, text: str) -> list:
@@ -513,19 +509,10 @@ def _hf_tokenizer(path):
     raise ImportError(f"{path} is an HF tokenizer.json: `pip install tokenizers` (optional dependency, see README)") from None
   tok = tokenizers.Tokenizer.from_file(str(path))
   folder = os.path.dirname(os.path.abspath(path))
-
-  def read(name):
-    p = os.path.join(folder, name)
-    if not os.path.exists(p):
-      return {}
-    with open(p, encoding="utf-8") as f:
-      return json.load(f)
-
-  cfg = {**read("special_tokens_map.json"), **read("tokenizer_config.json")}
+  cfg = {**_read_json(folder, "special_tokens_map.json"), **_read_json(folder, "tokenizer_config.json")}
 
   def token_id(field):
-    t = cfg.get(field)
-    t = t.get("content") if isinstance(t, dict) else t
+    t = _special_token(cfg, field)
     if t is None:
       return None
     i = tok.token_to_id(t)
@@ -533,11 +520,10 @@ def _hf_tokenizer(path):
       raise ValueError(f"{folder}: {field} {t!r} is not in tokenizer.json's vocabulary")
     return i
 
-  gen_eos = read("generation_config.json").get("eos_token_id")
+  gen_eos = _read_json(folder, "generation_config.json").get("eos_token_id")
   stop = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
   eos = token_id("eos_token")
-  if eos is None and stop:
-    eos = stop[0]
+  eos = stop[0] if eos is None and stop else eos
   if eos is None:
     raise ValueError(f"{folder}: no eos_token in tokenizer_config.json/special_tokens_map.json nor eos_token_id in generation_config.json")
   pad = token_id("pad_token")
@@ -562,8 +548,7 @@ def load_tokenizer(path) -> Tokenizer:
 def train_tokenizer(texts, out_path, vocab_size: int = 256, model_type: str = "bpe", byte_fallback: bool = True,
                     user_defined_symbols: Sequence[str] = (), split_digits: bool = True) -> str:
   """Trains a sentencepiece model on `texts` (an iterable of str) and writes it to out_path (atomically).
-  Deterministic (one thread, no input sampling). vocab_size is an upper bound (hard_vocab_limit=False);
-  byte_fallback needs vocab_size > 260. Identity normalisation, no dummy prefix: decode(encode(s)) == s."""
+  Deterministic (one thread, no input sampling); vocab_size is an upper bound; byte_fallback needs vocab_size > 260."""
   import io
   import sentencepiece as spm
   buf = io.BytesIO()
@@ -946,22 +931,19 @@ def _pool_worker(conn, limits, tmp_dir, strict_math=True):
 
 
 class VerifierPool:
-  """Bounded pool of spawned verifier processes. score() hands each (problem, completion) to a free worker;
-  a call still running after timeout_s scores 0 and its worker is killed and replaced. max_workers=0 runs
-  verify() inline (no isolation, no timeout). Counters: timeouts, crashes, errors (last in last_error)."""
+  """score() hands each (problem, completion) to a free worker (timeouts: see the module docstring).
+  max_workers=0 runs verify() inline (no isolation, no timeout). Counters: timeouts, crashes, errors, last_error."""
 
   def __init__(self, max_workers: int = 2, timeout_s: float = 30.0, limits: SandboxLimits = SandboxLimits(),
                strict_math: bool = True):
     if max_workers < 0 or timeout_s <= 0:
       raise ValueError(f"VerifierPool: need max_workers >= 0 and timeout_s > 0, got {max_workers}, {timeout_s}")
-    self.max_workers, self.timeout_s, self.limits = max_workers, timeout_s, limits
-    self.strict_math = strict_math
+    self.max_workers, self.timeout_s, self.limits, self.strict_math = max_workers, timeout_s, limits, strict_math
     self.startup_timeout_s = 120.0
     self._ctx = multiprocessing.get_context("spawn")  # fork after JAX/threads is unsafe
     self._tmp = tempfile.mkdtemp(prefix="rlax-verifier-") if max_workers else None
-    self._spawned = 0
-    self._workers = []  # [process, connection]
-    self.timeouts = self.crashes = self.errors = 0
+    self._workers = []  # [process, connection, temp dir]
+    self._spawned = self.timeouts = self.crashes = self.errors = 0
     self.last_error = None
 
   def _spawn(self):
@@ -1073,10 +1055,14 @@ def _rand_operand(rng, digits):
   return rng.randint(0 if nd == 1 else 10 ** (nd - 1), 10 ** nd - 1)
 
 
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+_AST_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}  # the countdown verifier's allowed operators
+
+
 def _arithmetic(rng, difficulty, ops, max_number):
   a, b, op = _rand_operand(rng, difficulty), _rand_operand(rng, difficulty), rng.choice(ops)
-  value = a + b if op == "+" else a - b if op == "-" else a * b
-  return f"{a}{op}{b}=", str(value)
+  return f"{a}{op}{b}=", str(_OPS[op](a, b))
 
 
 def _verify_arithmetic(problem, completion, *_) -> float:
@@ -1084,18 +1070,14 @@ def _verify_arithmetic(problem, completion, *_) -> float:
   return float(re.fullmatch(r"-?\d+", s) is not None and str(int(s)) == s and int(s) == int(problem.answer))
 
 
-_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
-
-
 def _combine(x, y, op):
   """Combines (value, expr, precedence) nodes, adding only the parentheses the grammar needs."""
   (va, ea, pa), (vb, eb, pb) = x, y
   if op == "/" and vb == 0:
     return None
-  value = va + vb if op == "+" else va - vb if op == "-" else va * vb if op == "*" else va / vb
   left = f"({ea})" if pa < _PREC[op] else ea
   right = f"({eb})" if pb < _PREC[op] or (op in "-/" and pb == _PREC[op]) else eb
-  return value, f"{left}{op}{right}", _PREC[op]
+  return _OPS[op](va, vb), f"{left}{op}{right}", _PREC[op]
 
 
 def _countdown(rng, difficulty, ops, max_number):
@@ -1120,10 +1102,8 @@ def _countdown_value(node, pool):
       raise ValueError("number not available")
     pool[node.value] -= 1
     return Fraction(node.value)
-  if isinstance(node, ast.BinOp) and type(node.op) in (ast.Add, ast.Sub, ast.Mult, ast.Div):
-    a, b = _countdown_value(node.left, pool), _countdown_value(node.right, pool)
-    op = type(node.op)
-    return a + b if op is ast.Add else a - b if op is ast.Sub else a * b if op is ast.Mult else a / b
+  if isinstance(node, ast.BinOp) and type(node.op) in _AST_OPS:
+    return _OPS[_AST_OPS[type(node.op)]](_countdown_value(node.left, pool), _countdown_value(node.right, pool))
   raise ValueError(f"disallowed syntax {type(node).__name__}")
 
 
@@ -1139,11 +1119,8 @@ def _verify_countdown(problem, completion, *_) -> float:
       return 0.0
   if not expr or len(expr) > 200 or re.search(r"[^\d+\-*/() ]", expr):
     return 0.0
-  pool = {}
-  for v in numbers:
-    pool[v] = pool.get(v, 0) + 1
   try:
-    return float(_countdown_value(ast.parse(expr, mode="eval").body, pool) == target)
+    return float(_countdown_value(ast.parse(expr, mode="eval").body, Counter(numbers)) == target)
   except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
     return 0.0
 
@@ -1191,8 +1168,7 @@ def make_task_problems(task: str, n: int, difficulty: int = 2, seed: int = 0, sp
     if made is None or made[0] in seen or _is_eval(made[0]) != want_eval:
       continue
     seen.add(made[0])
-    pid = f"{task}-{hashlib.sha256(made[0].encode()).hexdigest()[:12]}"
-    out.append(Problem(pid, made[0], made[1], task))
+    out.append(Problem(f"{task}-{hashlib.sha256(made[0].encode()).hexdigest()[:12]}", made[0], made[1], task))
   if len(out) < n:
     raise ValueError(f"make_task_problems: only {len(out)} distinct {split} problems found for {task} "
                      f"difficulty={difficulty} ops={ops!r}; ask for fewer or raise the difficulty")
@@ -1280,10 +1256,10 @@ class PassRateTracker:
     return default if st is None else st[2]
 
   def summary(self) -> dict:
-    rates = [s / n for n, s, _ in self.stats.values()]
-    return {"prompts": len(rates), "mean_rate": float(np.mean(rates)) if rates else 0.0,
-            "frac_always": float(np.mean([r == 1.0 for r in rates])) if rates else 0.0,
-            "frac_never": float(np.mean([r == 0.0 for r in rates])) if rates else 0.0}
+    rates = np.array([s / n for n, s, _ in self.stats.values()])
+    mean = lambda x: float(np.mean(x)) if rates.size else 0.0
+    return {"prompts": len(rates), "mean_rate": mean(rates), "frac_always": mean(rates == 1.0),
+            "frac_never": mean(rates == 0.0)}
 
   def state_dict(self) -> dict:
     return {"ema": self.ema, "stats": {k: list(v) for k, v in self.stats.items()}}
@@ -1417,7 +1393,7 @@ _ROLLOUT_FIELDS = {f.name for f in dataclasses.fields(Rollout)} | set(_problem_w
 
 def group_has_signal(rewards, eps: float = 1e-6) -> bool:
   """The one dynamic-sampling criterion (DAPO): a group's rewards are not all equal (max - min > eps); a group
-  that fails it carries no GRPO advantage. Used by train.py and dynamic_sampling_filter."""
+  that fails it carries no GRPO advantage. Used by ledger.Collector and dynamic_sampling_filter."""
   r = np.asarray(rewards, np.float64)
   return bool(r.size) and float(r.max() - r.min()) > eps
 
@@ -1439,12 +1415,9 @@ def pad_to_bucket(length: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
 
 
 def _empty(R, T, pad_id, extras):
-  out = {"tokens": np.full((R, T), pad_id, np.int32), "targets": np.full((R, T), pad_id, np.int32),
-         "positions": np.zeros((R, T), np.int32), "segment_ids": np.zeros((R, T), np.int32),
-         "loss_mask": np.zeros((R, T), np.float32)}
-  for name in extras or {}:
-    out[name] = np.zeros((R, T), np.float32)
-  return out
+  return {"tokens": np.full((R, T), pad_id, np.int32), "targets": np.full((R, T), pad_id, np.int32),
+          "positions": np.zeros((R, T), np.int32), "segment_ids": np.zeros((R, T), np.int32),
+          "loss_mask": np.zeros((R, T), np.float32), **{name: np.zeros((R, T), np.float32) for name in extras or {}}}
 
 
 def _place(out, r, start, seg, prompt, completion, extras, i):
@@ -1488,10 +1461,8 @@ def make_batch(prompt_ids_list, completion_ids_list, buckets: Sequence[int] = DE
   out = _empty(B, T, pad_id, completion_extras)
   for i, (p, c) in enumerate(zip(prompt_ids_list, completion_ids_list)):
     _place(out, i, 0, 1, p, c, completion_extras, i)
-  out["prompt_lens"] = np.zeros(B, np.int32)
-  out["completion_lens"] = np.zeros(B, np.int32)
-  out["prompt_lens"][:n] = [len(p) for p in prompt_ids_list]
-  out["completion_lens"][:n] = [len(c) for c in completion_ids_list]
+  out["prompt_lens"] = np.array([len(p) for p in prompt_ids_list] + [0] * (B - n), np.int32)
+  out["completion_lens"] = np.array([len(c) for c in completion_ids_list] + [0] * (B - n), np.int32)
   return out
 
 
@@ -1506,13 +1477,11 @@ def pack(prompt_ids_list, completion_ids_list, seq_len: int, pad_id: int = 0, nu
     L = len(p) + len(c)
     if L > seq_len:
       raise ValueError(f"pack: sequence {i} has {L} tokens > seq_len {seq_len}")
-    r = next((r for r, (used, _) in enumerate(fill) if used + L <= seq_len), None)
-    if r is None:
+    r = next((r for r, (used, _) in enumerate(fill) if used + L <= seq_len), len(fill))
+    if r == len(fill):
       fill.append([0, 0])
-      r = len(fill) - 1
     placed.append((r, fill[r][0], fill[r][1] + 1))
-    fill[r][0] += L
-    fill[r][1] += 1
+    fill[r] = [fill[r][0] + L, fill[r][1] + 1]
   R = len(fill) if num_rows is None else num_rows
   if len(fill) > R:
     raise ValueError(f"pack: {len(prompt_ids_list)} sequences need {len(fill)} rows of {seq_len}, only {num_rows} allowed")
@@ -1548,17 +1517,13 @@ MATH_PAIRS = (
 def math_agreement(pairs=MATH_PAIRS):
   """Fraction of `pairs` on which each verifier agrees with the hand label: old (math_answer_equal, lenient
   extraction) and new (math-verify, strict \\boxed{} extraction). Returns (old, new, disagreements of new)."""
-  old = new = 0
-  wrong = []
+  old, new = [], []
   for pred, ref, label in pairs:
     completion = f"So the answer follows.\n\\boxed{{{pred}}}"
-    o = math_answer_equal(extract_answer(completion), ref)
-    n = math_verify_equal(extract_answer(completion, strict=True), ref)
-    old += o == bool(label)
-    new += n == bool(label)
-    if n != bool(label):
-      wrong.append((pred, ref, label))
-  return old / len(pairs), new / len(pairs), wrong
+    old.append(math_answer_equal(extract_answer(completion), ref) == bool(label))
+    new.append(math_verify_equal(extract_answer(completion, strict=True), ref) == bool(label))
+  wrong = [(pred, ref, label) for (pred, ref, label), ok in zip(pairs, new) if not ok]
+  return sum(old) / len(pairs), sum(new) / len(pairs), wrong
 
 
 if __name__ == "__main__":
