@@ -144,16 +144,30 @@ def _split_refs(refs, has_seg):
   return (refs[:2], refs[2:]) if has_seg else ((None, None), refs)
 
 
+def _zero(*refs):
+  for ref in refs:
+    ref[...] = jnp.zeros(ref.shape, jnp.float32)
+
+
+def _softmax_init(m_scr, l_scr, acc_scr):
+  m_scr[...] = jnp.full(m_scr.shape, NEG_INF, jnp.float32)
+  _zero(l_scr, acc_scr)
+
+
+def _softmax_step(s, m_prev, l_prev, acc_prev, pv):
+  """Online softmax over one key block: rescales what was accumulated under the old running max. s: fp32 scores
+  [..., bk]; pv(p) -> p @ V. Returns the new (running max, sum, accumulator)."""
+  m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+  alpha = jnp.exp(m_prev - m_new)
+  p = jnp.exp(s - m_new)
+  return m_new, alpha * l_prev + p.sum(axis=-1, keepdims=True), alpha * acc_prev + pv(p)
+
+
 def _fwd_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
   (qseg_ref, kvseg_ref), (q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr) = _split_refs(refs, has_seg)
   qi, kj = pl.program_id(2), pl.program_id(3)
   G, _, H = q_ref.shape
-
-  @pl.when(kj == 0)
-  def _init():
-    m_scr[...] = jnp.full(m_scr.shape, NEG_INF, jnp.float32)
-    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+  pl.when(kj == 0)(lambda: _softmax_init(m_scr, l_scr, acc_scr))
 
   def _compute():
     # The G heads of the group become G*bq matmul rows against one K tile.
@@ -161,15 +175,9 @@ def _fwd_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
     mask = _block_mask(qi, kj, bq, bk, causal, qseg_ref, kvseg_ref)
     if mask is not None:
       s = jnp.where(mask[None], s, NEG_INF)
-    # Online softmax: rescale what was accumulated under the old running max.
-    m_prev = m_scr[...]
-    m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
-    alpha = jnp.exp(m_prev - m_new)
-    p = jnp.exp(s - m_new)
-    l_scr[...] = alpha * l_scr[...] + p.sum(axis=-1, keepdims=True)
-    pv = jnp.dot(p.reshape(G * bq, bk).astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
-    acc_scr[...] = alpha * acc_scr[...] + pv.reshape(G, bq, H)
-    m_scr[...] = m_new
+    pv = lambda p: jnp.dot(p.reshape(G * bq, bk).astype(v_ref.dtype), v_ref[...],  # noqa: E731
+                           preferred_element_type=jnp.float32).reshape(G, bq, H)
+    m_scr[...], l_scr[...], acc_scr[...] = _softmax_step(s, m_scr[...], l_scr[...], acc_scr[...], pv)
 
   _run_if(_block_visible(qi, kj, bq, bk, causal), _compute)
 
@@ -201,11 +209,7 @@ def _dkv_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
   (qseg_ref, kvseg_ref), refs = _split_refs(refs, has_seg)
   in_refs, (dk_ref, dv_ref, dk_scr, dv_scr) = refs[:6], refs[6:]
   kj, qi = pl.program_id(2), pl.program_id(3)  # kv block outer, q blocks reduced over
-
-  @pl.when(qi == 0)
-  def _init():
-    dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
-    dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
+  pl.when(qi == 0)(lambda: _zero(dk_scr, dv_scr))
 
   def _compute():
     q, do, p, ds = _bwd_block(qi, kj, causal, sm_scale, bq, bk, qseg_ref, kvseg_ref, *in_refs)
@@ -226,10 +230,7 @@ def _dq_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
   in_refs, (dq_ref, dq_scr) = refs[:6], refs[6:]
   k_ref = in_refs[1]
   qi, kj = pl.program_id(2), pl.program_id(3)
-
-  @pl.when(kj == 0)
-  def _init():
-    dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+  pl.when(kj == 0)(lambda: _zero(dq_scr))
 
   def _compute():
     _, _, _, ds = _bwd_block(qi, kj, causal, sm_scale, bq, bk, qseg_ref, kvseg_ref, *in_refs)
@@ -243,8 +244,9 @@ def _dq_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
     dq_ref[...] = dq_scr[...].astype(dq_ref.dtype)
 
 
-def _specs(G, H, bq, bk, causal, q_major):
-  """BlockSpecs for (q-like [B,K,G,T,*], kv-like [B,K,S,H], q seg, kv seg) on a grid (B, K, outer, inner).
+def _specs(G, H, bq, bk, causal, q_major, has_seg):
+  """BlockSpecs for (q-like [B,K,G,T,H], lse-like [B,K,G,T,1], kv-like [B,K,S,H], [q seg, kv seg] or [] when
+  has_seg is False) on a grid (B, K, outer, inner).
 
   q_major: grid is (.., q block, kv block) (forward, dQ), else (.., kv block, q block) (dK/dV). For causal the
   index of the block that the diagonal makes useless is clamped to the nearest useful one: an unchanged
@@ -258,18 +260,14 @@ def _specs(G, H, bq, bk, causal, q_major):
       qi = jnp.maximum(qi, (kj * bk) // bq)  # first q block that sees this kv block
     return qi, kj
 
-  def q_map(b, h, o, i):
-    return b, h, 0, qk_idx(o, i)[0], 0
-
-  def kv_map(b, h, o, i):
-    return b, h, qk_idx(o, i)[1], 0
-
+  q_map = lambda b, h, o, i: (b, h, 0, qk_idx(o, i)[0], 0)  # noqa: E731
+  kv_map = lambda b, h, o, i: (b, h, qk_idx(o, i)[1], 0)  # noqa: E731
   q_spec = pl.BlockSpec((None, None, G, bq, H), q_map)
   lse_spec = pl.BlockSpec((None, None, G, bq, 1), q_map)
   kv_spec = pl.BlockSpec((None, None, bk, H), kv_map)
-  qseg_spec = pl.BlockSpec((None, bq, 1), lambda b, h, o, i: (b, qk_idx(o, i)[0], 0))
-  kvseg_spec = pl.BlockSpec((None, 1, bk), lambda b, h, o, i: (b, 0, qk_idx(o, i)[1]))
-  return q_spec, lse_spec, kv_spec, qseg_spec, kvseg_spec
+  seg_specs = [pl.BlockSpec((None, bq, 1), lambda b, h, o, i: (b, qk_idx(o, i)[0], 0)),
+               pl.BlockSpec((None, 1, bk), lambda b, h, o, i: (b, 0, qk_idx(o, i)[1]))] if has_seg else []
+  return q_spec, lse_spec, kv_spec, seg_specs
 
 
 _SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
@@ -277,58 +275,53 @@ _SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "
 
 def _flash_fwd(q, k, v, seg, causal, sm_scale, bq, bk):
   B, K, G, T, H = q.shape
-  S = k.shape[2]
-  q_spec, lse_spec, kv_spec, qseg_spec, kvseg_spec = _specs(G, H, bq, bk, causal, q_major=True)
   has_seg = seg is not None
-  kernel = functools.partial(_fwd_kernel, causal=causal, has_seg=has_seg, sm_scale=sm_scale, bq=bq, bk=bk)
-  o, lse = pl.pallas_call(
-      kernel,
-      grid=(B, K, T // bq, S // bk),
-      in_specs=([qseg_spec, kvseg_spec] if has_seg else []) + [q_spec, kv_spec, kv_spec],
+  q_spec, lse_spec, kv_spec, seg_specs = _specs(G, H, bq, bk, causal, True, has_seg)
+  return pl.pallas_call(
+      functools.partial(_fwd_kernel, causal=causal, has_seg=has_seg, sm_scale=sm_scale, bq=bq, bk=bk),
+      grid=(B, K, T // bq, k.shape[2] // bk),
+      in_specs=seg_specs + [q_spec, kv_spec, kv_spec],
       out_specs=[q_spec, lse_spec],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, K, G, T, 1), jnp.float32)],
       scratch_shapes=[pltpu.VMEM((G, bq, 1), jnp.float32), pltpu.VMEM((G, bq, 1), jnp.float32),
                       pltpu.VMEM((G, bq, H), jnp.float32)],
       compiler_params=_SEMANTICS,
       name="flash_attention_fwd",
-  )(*(seg if has_seg else ()), q, k, v)
-  return o, lse
+  )(*(seg or ()), q, k, v)
 
 
 def _flash_bwd(q, k, v, seg, o, lse, do, causal, sm_scale, bq, bk):
   B, K, G, T, H = q.shape
   S = k.shape[2]
   has_seg = seg is not None
-  seg_args = seg if has_seg else ()
   # di = rowsum(dO * O): the softmax-Jacobian correction, one fp32 scalar per query row.
   di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
   params = dict(causal=causal, has_seg=has_seg, sm_scale=sm_scale, bq=bq, bk=bk)
+  args = (*(seg or ()), q, k, v, do, lse, di)
 
-  q_spec, lse_spec, kv_spec, qseg_spec, kvseg_spec = _specs(G, H, bq, bk, causal, q_major=False)
+  q_spec, lse_spec, kv_spec, seg_specs = _specs(G, H, bq, bk, causal, False, has_seg)
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, **params),
       grid=(B, K, S // bk, T // bq),
-      in_specs=([qseg_spec, kvseg_spec] if has_seg else []) + [q_spec, kv_spec, kv_spec, q_spec, lse_spec,
-                                                               lse_spec],
+      in_specs=seg_specs + [q_spec, kv_spec, kv_spec, q_spec, lse_spec, lse_spec],
       out_specs=[kv_spec, kv_spec],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       scratch_shapes=[pltpu.VMEM((bk, H), jnp.float32), pltpu.VMEM((bk, H), jnp.float32)],
       compiler_params=_SEMANTICS,
       name="flash_attention_dkv",
-  )(*seg_args, q, k, v, do, lse, di)
+  )(*args)
 
-  q_spec, lse_spec, kv_spec, qseg_spec, kvseg_spec = _specs(G, H, bq, bk, causal, q_major=True)
+  q_spec, lse_spec, kv_spec, seg_specs = _specs(G, H, bq, bk, causal, True, has_seg)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, **params),
       grid=(B, K, T // bq, S // bk),
-      in_specs=([qseg_spec, kvseg_spec] if has_seg else []) + [q_spec, kv_spec, kv_spec, q_spec, lse_spec,
-                                                               lse_spec],
+      in_specs=seg_specs + [q_spec, kv_spec, kv_spec, q_spec, lse_spec, lse_spec],
       out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       scratch_shapes=[pltpu.VMEM((G, bq, H), jnp.float32)],
       compiler_params=_SEMANTICS,
       name="flash_attention_dq",
-  )(*seg_args, q, k, v, do, lse, di)
+  )(*args)
   return dq, dk, dv
 
 
@@ -408,12 +401,7 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_sc
   b, j = pl.program_id(0), pl.program_id(1)
   K, G, H = q_ref.shape
   length = lengths_ref[b]
-
-  @pl.when(j == 0)
-  def _init():
-    m_scr[...] = jnp.full(m_scr.shape, NEG_INF, jnp.float32)
-    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+  pl.when(j == 0)(lambda: _softmax_init(m_scr, l_scr, acc_scr))
 
   @pl.when(j * bs < length)  # blocks wholly past the length: no compute (and, via the index map, no DMA)
   def _compute():
@@ -425,13 +413,8 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_sc
       # 0 * garbage cannot leak a NaN into the sum.
       v = jnp.where(valid_col, v_ref[:, h * H:(h + 1) * H], 0)
       s = jnp.where(valid_row, _dot_t(q_ref[h], k) * sm_scale, NEG_INF)  # [G,bs]
-      m_prev = m_scr[h]
-      m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
-      alpha = jnp.exp(m_prev - m_new)
-      p = jnp.exp(s - m_new)
-      l_scr[h] = alpha * l_scr[h] + p.sum(axis=-1, keepdims=True)
-      acc_scr[h] = alpha * acc_scr[h] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-      m_scr[h] = m_new
+      pv = lambda p: jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # noqa: E731
+      m_scr[h], l_scr[h], acc_scr[h] = _softmax_step(s, m_scr[h], l_scr[h], acc_scr[h], pv)
 
   @pl.when(j == pl.num_programs(1) - 1)
   def _finish():

@@ -209,9 +209,8 @@ class Engine:
       tok, lp = sample(st["logits"], keys, sc)
       live = st["active"]
       idx = jnp.minimum(st["n_gen"], M - 1)
-      tokens = st["tokens"].at[rows, idx].set(jnp.where(live, tok, st["tokens"][rows, idx]))
-      logp = st["logp"].at[rows, idx].set(jnp.where(live, lp, st["logp"][rows, idx]))
-      versions = st["versions"].at[rows, idx].set(jnp.where(live, st["logits_version"], st["versions"][rows, idx]))
+      put = lambda name, x: st[name].at[rows, idx].set(jnp.where(live, x, st[name][rows, idx]))  # noqa: E731
+      tokens, logp, versions = put("tokens", tok), put("logp", lp), put("versions", st["logits_version"])
       n_gen = st["n_gen"] + live
       done = live & (jnp.isin(tok, stop) | (n_gen >= M))
       old_len = st["cache"]["lengths"]
@@ -323,8 +322,7 @@ def generate_groups(engine, params, items, group_size, seed, on_group=None):
     active = engine.run_chunk(params)
     for pid in slots.finished(active):
       toks, lps, n, _ = engine.rows(slots.release(pid)["slots"])
-      res = ([toks[i, :n[i]] for i in range(G)], [lps[i, :n[i]] for i in range(G)])
-      out[pid] = res
+      out[pid] = res = ([toks[i, :n[i]] for i in range(G)], [lps[i, :n[i]] for i in range(G)])
       if on_group:
         on_group(pid, *res)
   return out
@@ -544,7 +542,7 @@ def partial_of(fields, G, M, vocab):
     if not isinstance(v, list) or len(v) != G:
       raise ValueError(f"{k} must be a list of group_size={G} entries, got {type(v).__name__} "
                        f"of {len(v) if isinstance(v, list) else '-'}")
-  toks, lps, vers, done = ([], [], [], [])
+  checked = ([], [], [], [])  # tokens, log-probs, versions, done
   for i in range(G):
     t, lp, v, d = np.asarray(out[0][i]), np.asarray(out[1][i]), np.asarray(out[2][i]), out[3][i]
     if not isinstance(d, bool):
@@ -557,11 +555,9 @@ def partial_of(fields, G, M, vocab):
       raise ValueError(f"partial_logprobs[{i}] must be {len(t)} finite log-probs <= 0")
     if v.shape != t.shape or v.dtype.kind not in "iu":
       raise ValueError(f"partial_versions[{i}] must be {len(t)} integer versions")
-    toks.append(t.astype(np.int32))
-    lps.append(lp.astype(np.float32))
-    vers.append(v.astype(np.int32))
-    done.append(d)
-  return toks, lps, vers, done
+    for lst, x in zip(checked, (t.astype(np.int32), lp.astype(np.float32), v.astype(np.int32), d)):
+      lst.append(x)
+  return checked
 
 
 def fail_item(client, gid, exc, failures):
