@@ -246,12 +246,8 @@ def _dq_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
 
 def _specs(G, H, bq, bk, causal, q_major, has_seg):
   """BlockSpecs for (q-like [B,K,G,T,H], lse-like [B,K,G,T,1], kv-like [B,K,S,H], [q seg, kv seg] or [] when
-  has_seg is False) on a grid (B, K, outer, inner).
-
-  q_major: grid is (.., q block, kv block) (forward, dQ), else (.., kv block, q block) (dK/dV). For causal the
-  index of the block that the diagonal makes useless is clamped to the nearest useful one: an unchanged
-  block index between consecutive steps means no new DMA.
-  """
+  not has_seg) on a grid (B, K, outer, inner): (.., q block, kv block) when q_major (forward, dQ), else (.., kv
+  block, q block) (dK/dV). Causal: a block the diagonal makes useless maps to the nearest useful one (no DMA)."""
   def qk_idx(o, i):
     qi, kj = (o, i) if q_major else (i, o)
     if causal and q_major:
@@ -274,10 +270,11 @@ _SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "
 
 
 def _flash_fwd(q, k, v, seg, causal, sm_scale, bq, bk):
+  """The output and the residuals the backward needs (the fp32 log-sum-exp included)."""
   B, K, G, T, H = q.shape
   has_seg = seg is not None
   q_spec, lse_spec, kv_spec, seg_specs = _specs(G, H, bq, bk, causal, True, has_seg)
-  return pl.pallas_call(
+  o, lse = pl.pallas_call(
       functools.partial(_fwd_kernel, causal=causal, has_seg=has_seg, sm_scale=sm_scale, bq=bq, bk=bk),
       grid=(B, K, T // bq, k.shape[2] // bk),
       in_specs=seg_specs + [q_spec, kv_spec, kv_spec],
@@ -288,9 +285,11 @@ def _flash_fwd(q, k, v, seg, causal, sm_scale, bq, bk):
       compiler_params=_SEMANTICS,
       name="flash_attention_fwd",
   )(*(seg or ()), q, k, v)
+  return o, (q, k, v, seg, o, lse)
 
 
-def _flash_bwd(q, k, v, seg, o, lse, do, causal, sm_scale, bq, bk):
+def _flash_bwd(causal, sm_scale, bq, bk, res, do):
+  q, k, v, seg, o, lse = res
   B, K, G, T, H = q.shape
   S = k.shape[2]
   has_seg = seg is not None
@@ -322,7 +321,7 @@ def _flash_bwd(q, k, v, seg, o, lse, do, causal, sm_scale, bq, bk):
       compiler_params=_SEMANTICS,
       name="flash_attention_dq",
   )(*args)
-  return dq, dk, dv
+  return dq, dk, dv, None  # segment ids are integers: no cotangent
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
@@ -330,18 +329,7 @@ def _flash(q, k, v, seg, causal, sm_scale, bq, bk):
   return _flash_fwd(q, k, v, seg, causal, sm_scale, bq, bk)[0]
 
 
-def _flash_vjp_fwd(q, k, v, seg, causal, sm_scale, bq, bk):
-  o, lse = _flash_fwd(q, k, v, seg, causal, sm_scale, bq, bk)
-  return o, (q, k, v, seg, o, lse)
-
-
-def _flash_vjp_bwd(causal, sm_scale, bq, bk, res, do):
-  q, k, v, seg, o, lse = res
-  dq, dk, dv = _flash_bwd(q, k, v, seg, o, lse, do, causal, sm_scale, bq, bk)
-  return dq, dk, dv, None  # segment ids are integers: no cotangent
-
-
-_flash.defvjp(_flash_vjp_fwd, _flash_vjp_bwd)
+_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _check_block(name, block, multiple=8):
@@ -388,8 +376,7 @@ def flash_attention(q, k, v, segment_ids=None, *, causal=True, sm_scale=None, bl
 
   # [B,T,N,H] -> [B,K,G,T,H]: heads of one group adjacent, sequence second-minor (TPU sublanes).
   qt = jnp.pad(q.reshape(B, T, K, G, H), ((0, 0), (0, Tp - T), (0, 0), (0, 0), (0, 0))).transpose(0, 2, 3, 1, 4)
-  kt = jnp.pad(k, ((0, 0), (0, Sp - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-  vt = jnp.pad(v, ((0, 0), (0, Sp - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  kt, vt = (jnp.pad(x, ((0, 0), (0, Sp - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for x in (k, v))
   o = _flash(qt, kt, vt, seg, causal, sm_scale, bq, bk)
   return o.transpose(0, 3, 1, 2, 4)[:, :T].reshape(B, T, N, H)
 
@@ -445,7 +432,6 @@ def ragged_decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, bloc
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
 
   def kv_map(b, j, lengths_ref):
-    # Clamp to the row's last valid block: steps past it revisit that block, which costs no DMA.
     return b, jnp.maximum(jnp.minimum(j, (lengths_ref[b] - 1) // bs), 0), 0
 
   qo_spec = pl.BlockSpec((None, K, G, H), lambda b, j, lengths_ref: (b, 0, 0, 0))
@@ -505,8 +491,7 @@ def _shard_call(fn, mesh, in_specs, out_specs, *args):
 
 def attention(q, k, v, segment_ids=None, *, causal=True, sm_scale=None, impl="auto", mesh=None,
               block_q=128, block_k=128):
-  """Causal/GQA/packed attention; see module docstring. impl="pallas" runs per shard on `mesh` (or the
-  context mesh) with batch over ("data","fsdp") and heads over "tensor"."""
+  """Causal/GQA/packed attention; see the module docstring (contract, impl, sharding over `mesh`)."""
   if not _use_pallas(impl):
     return attention_reference(q, k, v, segment_ids, causal=causal, sm_scale=sm_scale)
   fn = functools.partial(flash_attention, causal=causal, sm_scale=sm_scale, block_q=block_q, block_k=block_k)

@@ -185,12 +185,10 @@ class Config:
     # RoPE: transformers 5 writes rope_parameters={rope_type, rope_theta, ...}; 4.x wrote rope_theta at top
     # level and rope_scaling={type|rope_type, ...} or null.
     rp = d.get("rope_parameters")
+    field = "rope_scaling" if rp is None else "rope_parameters"
     if rp is None:
       rp = dict(d.get("rope_scaling") or {})
       rp.setdefault("rope_theta", d.get("rope_theta", 10000.0))
-      field = "rope_scaling"
-    else:
-      field = "rope_parameters"
     if not isinstance(rp, dict):
       raise ValueError(f"{source}: {field} must be an object, got {rp!r}")
     rtype = rp.get("rope_type", rp.get("type", "default"))
@@ -288,7 +286,6 @@ def logical_spec(axes, shape, mesh):
 
 
 def _constrain(x, axes):
-  # Constrain activations only under `jax.set_mesh(mesh)`; with no mesh the model runs unsharded.
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return x
@@ -504,10 +501,8 @@ def _check_tokens(tokens, ndim, what):
 
 def forward_hidden(params, cfg, tokens, positions=None, segment_ids=None, *, attn_impl="auto", remat=False):
   """Training forward to the final normed hidden [B,T,D] fp32.
-
   positions [B,T] (default arange(T)) drive RoPE; segment_ids [B,T] (default all ones): packed sequences
-  attend only within their segment (causal by index). For packing, restart positions at each segment.
-  """
+  attend only within their segment (causal by index). For packing, restart positions at each segment."""
   _check_tokens(tokens, 2, "forward")
   B, T = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions is None else positions
@@ -542,10 +537,8 @@ def _constrain_cache(cache):
 
 def prefill(params, cfg, tokens, lengths, cache, *, attn_impl="auto"):
   """Prompts tokens [B,T] (right-padded; row b is valid on [0, lengths[b]), lengths >= 1) into an empty cache.
-
   Writes cache positions [0, lengths[b]) and sets cache lengths; returns fp32 logits of each row's last
-  prompt token [B,V] and the cache. T must be <= the cache length S.
-  """
+  prompt token [B,V] and the cache. T must be <= the cache length S."""
   _check_tokens(tokens, 2, "prefill")
   B, T = tokens.shape
   if T > cache["k"].shape[2] or cache["k"].shape[1] != B:
@@ -644,11 +637,9 @@ def _np_dtype(dtype):
 
 def load_hf_checkpoint(path, dtype=None, *, mesh=None):
   """Reads an HF checkpoint directory (config.json + model.safetensors or shards with an index.json).
-
   dtype: None keeps the stored dtype (of the embedding; all params share one dtype), else casts.
   mesh: when given, each param is placed directly with its sharding (never whole on one device).
-  Returns (cfg, params). ValueError names the file and tensor on a missing/unexpected/mis-shaped tensor.
-  """
+  Returns (cfg, params). ValueError names the file and tensor on a missing/unexpected/mis-shaped tensor."""
   from safetensors import safe_open  # numpy API; bf16 arrives as ml_dtypes.bfloat16
   cfg = Config.from_hf(path)
   index_fn = os.path.join(path, "model.safetensors.index.json")
@@ -715,12 +706,9 @@ def load_hf_checkpoint(path, dtype=None, *, mesh=None):
 
 
 def save_hf_checkpoint(path, cfg, params, dtype=None, *, max_shard_bytes=4 << 30):
-  """Writes config.json + model.safetensors (or model-0000i-of-0000n.safetensors + index.json when larger
-  than max_shard_bytes) that transformers' AutoModelForCausalLM.from_pretrained loads unchanged.
-
-  dtype: None keeps the params' dtype. Params must be fully addressable from this process (single host or
-  gathered first).
-  """
+  """Writes config.json + model.safetensors (or model-0000i-of-0000n.safetensors + index.json when larger than
+  max_shard_bytes) that transformers' AutoModelForCausalLM.from_pretrained loads unchanged. dtype: None keeps the
+  params' dtype. Params must be fully addressable from this process (single host or gathered first)."""
   from safetensors.numpy import save_file
   dtype = _np_dtype(params["embed"].dtype if dtype is None else dtype)
   want = jax.tree.map(lambda sa: sa[0], param_axes(cfg), is_leaf=_is_leaf)

@@ -96,13 +96,11 @@ def _last_positive(p):
 
 def inverse_cdf_sample(logp, keys, block: int = 128):
   """One draw per row of the categorical exp(logp) [B,V], with ONE uniform per row (keys [B,2]).
-
   Gumbel-max (jax.random.categorical) draws V random numbers per row: at V=32k, batch 64 that was 28% of a
   decode step on CPU (issue 17). Inverse-CDF needs one, and two levels (block sums of `block` tokens, then
   the running sum inside the chosen block) keep each running sum short, so fp32 rounding moves a token's
   interval by ~1e-7 x its block's mass, not x 1. A token of probability 0 (cut by top-k/top-p) is never drawn: its
-  interval is empty, and an index pushed past the end by rounding is clamped to the last positive one.
-  """
+  interval is empty, and an index pushed past the end by rounding is clamped to the last positive one."""
   B, V = logp.shape
   nb = -(-V // block)
   p = jnp.pad(jnp.exp(logp), ((0, 0), (0, nb * block - V))).reshape(B, nb, block)  # padding: probability 0
@@ -162,18 +160,13 @@ class Engine:
   def reset(self, dtype):
     B, M, cfg = self.B, self.M, self.cfg
     self.state = dict(
-        cache=model.init_cache(cfg, B, self.S, dtype),
-        logits=jnp.zeros((B, cfg.vocab_size), jnp.float32),
-        active=jnp.zeros((B,), bool),
-        n_gen=jnp.zeros((B,), jnp.int32),
-        tokens=jnp.zeros((B, M), jnp.int32),
-        logp=jnp.zeros((B, M), jnp.float32),
+        cache=model.init_cache(cfg, B, self.S, dtype), logits=jnp.zeros((B, cfg.vocab_size), jnp.float32),
+        active=jnp.zeros((B,), bool), n_gen=jnp.zeros((B,), jnp.int32),
+        tokens=jnp.zeros((B, M), jnp.int32), logp=jnp.zeros((B, M), jnp.float32),
         # The policy version of each token: that of the weights whose forward gave the logits it was sampled
         # from (logits_version), so a token sampled right after a weight swap still counts as the old version.
-        versions=jnp.zeros((B, M), jnp.int32),
-        logits_version=jnp.zeros((B,), jnp.int32),
-        keys=jnp.zeros((B, 2), jnp.uint32),
-    )
+        versions=jnp.zeros((B, M), jnp.int32), logits_version=jnp.zeros((B,), jnp.int32),
+        keys=jnp.zeros((B, 2), jnp.uint32))
 
   def _insert_fn(self, params, st, prompts, lengths, rows, slots, keys, version):
     # Prefill n prompts [n,T] as one batch into a T-long cache, then copy prompt rows[j]'s cache row into slot
@@ -300,12 +293,10 @@ class Slots:
     return [gid for gid, g in self.groups.items() if not active[g["slots"]].any()]
 
 
-def generate_groups(engine, params, items, group_size, seed, on_group=None):
+def generate_groups(engine, params, items, group_size, seed):
   """Runs `items` (list of (prompt_id, prompt_tokens)) through the engine, G samples each; continuous batching.
-
-  Returns {prompt_id: (list of completion token arrays, list of logp arrays)} (also passed to on_group as they
-  finish). Used by eval and by tests; the worker loop below interleaves the same steps with the server.
-  """
+  Returns {prompt_id: (list of completion token arrays, list of logp arrays)}. Used by eval, tests and benches;
+  the worker loop below interleaves the same steps with the server."""
   G, B = group_size, engine.B
   if B < G:
     raise ValueError(f"slots={B} < group_size={G}")
@@ -322,9 +313,7 @@ def generate_groups(engine, params, items, group_size, seed, on_group=None):
     active = engine.run_chunk(params)
     for pid in slots.finished(active):
       toks, lps, n, _ = engine.rows(slots.release(pid)["slots"])
-      out[pid] = res = ([toks[i, :n[i]] for i in range(G)], [lps[i, :n[i]] for i in range(G)])
-      if on_group:
-        on_group(pid, *res)
+      out[pid] = ([toks[i, :n[i]] for i in range(G)], [lps[i, :n[i]] for i in range(G)])
   return out
 
 
@@ -368,7 +357,6 @@ class Sender:
 
 class Puller:
   """Downloads the next weight version on a background thread while the loop decodes with the current one.
-
   Double-buffered: the version in use plus at most one newer, complete version waiting to be taken, so a worker
   holds at most two versions of its weight slices (the next pull starts only after take()). pull(manifest) ->
   params or None (version gone: the next manifest is tried). take() returns (manifest, params) once a newer
@@ -641,12 +629,9 @@ def run_worker():
   t_start = time.time()
   drain_deadline = None
   failed = []  # ids of the items that failed since the last success (reset by a success)
-  # The decode loop below only decodes and leases: the next weights download on the puller's thread, and
-  # finished groups are scored, put and acked on the sender's, each with its own connection (a long poll or
-  # a slow put on one never holds up another). window: this worker's busy fraction and rates, sent with
-  # every rollout (the trainer logs them per step in metrics.jsonl).
+  # The puller and the sender each have their own connection: a long poll or a slow put never holds up another.
   puller = Puller(_client(token), pull, version)
-  window = Window()
+  window = Window()  # this worker's busy fraction and rates, sent with every rollout
 
   def send(job):
     """Sender thread: score one finished group, put its rollout, then ack its prompt."""
@@ -731,12 +716,9 @@ def run_worker():
         logging.info("worker %s: SIGTERM, draining %d groups", wid, len(groups))
       if drain_deadline is not None and (not groups or time.time() > drain_deadline):
         break
-      # New weights between chunks, if the puller has a complete newer version; in-flight groups keep their
-      # (older) tag.
-      new = puller.take()
+      new = puller.take()  # in-flight groups keep their (older) tag
       if new:
         version, params = new[0]["version"], new[1]
-      # Refill free slots with leased prompts (none while draining).
       if drain_deadline is None and len(slots.free) >= group_size:
         # Lease only what fits now (group_size: the last group's G), so no prompt waits in a busy worker.
         t = time.time()
