@@ -1,7 +1,6 @@
 """Attention kernels: pure-jnp references (this file's contract) and Pallas TPU kernels.
 
-Shapes (legend as in model.py): B batch, T query len, S key len, N q heads, K kv heads, G = N // K q heads per
-kv head, H head dim.
+Shapes (legend as in model.py): B batch, T query len, S key len, N q heads, K kv heads, H head dim; G = N // K.
 
   attention(q [B,T,N,H], k [B,S,K,H], v [B,S,K,H], segment_ids [B,T] | None, causal=True, impl="auto")
       -> [B,T,N,H] in q.dtype.  Softmax in fp32. GQA: q head n uses kv head n // (N // K).

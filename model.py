@@ -123,8 +123,7 @@ class Config:
       raise ValueError(f"Config.rope_theta={self.rope_theta} and rms_norm_eps={self.rms_norm_eps} must be > 0")
     if self.arch not in _ARCHS:
       raise ValueError(f"Config.arch={self.arch!r} unsupported; supported: {sorted(_ARCHS)}")
-    want = _FAMILY_FLAGS[_ARCHS[self.arch]]
-    for f, v in want.items():
+    for f, v in _FAMILY_FLAGS[_ARCHS[self.arch]].items():
       if getattr(self, f) != v:
         raise ValueError(f"Config.{f}={getattr(self, f)} does not match arch {self.arch} (which has {f}={v})")
     if self.rope_scaling is not None:

@@ -2,28 +2,27 @@
 
 Design:
   * Generation is a jit-compiled KV-cache loop over a fixed number of *slots* (continuous batching): every
-    `--chunk_steps` decode steps the host looks at which slots finished (stop token or max new tokens), hands
-    their groups to the sender, and refills the free slots with newly leased prompts, prefilled together as one
-    batch; a prompt with G samples is prefilled once and its cache row copied into G slots.  Host syncs happen
-    once per chunk, never per token.
+    `--chunk_steps` decode steps (one host sync per chunk, never per token) the host hands the groups of finished
+    slots (stop token or max new tokens) to the sender and refills free slots with newly leased prompts, prefilled
+    as one batch; a prompt with G samples is prefilled once and its cache row copied into G slots.
   * The decode loop never waits on I/O: the next weights download on a background thread (Puller; at most two
     versions held), and finished groups are scored, put and acked in order on another (Sender), each thread
     with its own server connection.  Sampling is inverse-CDF with one uniform per row (inverse_cdf_sample).
-  * Behaviour log-probs are the log-probs of the distribution actually sampled from: logits / temperature, then
-    top-k / top-p truncation, renormalised, in fp32.  With temperature-only sampling (the default) that is exactly
-    what the trainer recomputes (losses.token_logprobs_and_entropy(..., temperature)); with top-k/top-p the
-    trainer's ratio includes the truncation and truncated IS corrects for it.
+  * Behaviour log-probs are those of the distribution actually sampled from (logits / temperature, top-k / top-p
+    truncation, renormalised, fp32): with temperature-only sampling (the default) exactly what the trainer
+    recomputes (losses.token_logprobs_and_entropy(..., temperature)); with top-k/top-p the trainer's ratio
+    includes the truncation and truncated IS corrects for it.
   * RNG is deterministic per prompt: sample j of prompt id p uses fold_in(fold_in(seed, hash(p)), j) and
     step t folds in t, so a re-issued prompt with the same weights reproduces the same tokens.
-  * Weights are swapped between chunks once a newer version is fully downloaded; a rollout is tagged with the oldest
-    version that produced any of its tokens (its staleness bound is conservative).  Groups whose version is
-    more than --max_staleness versions behind the newest are regenerated before they are sent.
+  * Weights are swapped between chunks once a newer version is fully downloaded; a rollout is tagged with the
+    oldest version that produced any of its tokens (a conservative staleness bound) and regenerated before it is
+    sent if that is more than --max_staleness versions behind the newest.
   * Preemption: SIGTERM stops leasing, finishes the groups in flight for at most --drain_s seconds, sends them,
-    and hands the rest back with their partial rollouts (tokens so far, behaviour log-probs, the version of
-    each token; Client.release), which the server re-issues first.  The next worker prefills prompt + partial
-    completion and decodes on with the same per-step keys, so no generated token is wasted; the group is
-    tagged with its oldest token's version and generated afresh if that is too stale.  kill -9 loses only
-    leases, which expire on the server and are re-issued (the tokens in flight are lost).
+    and hands the rest back with their partial rollouts (tokens so far, behaviour log-probs, each token's
+    version; Client.release), which the server re-issues first.  The next worker prefills prompt + partial
+    completion and decodes on with the same per-step keys, so no generated token is wasted (tagged with its
+    oldest token's version; generated afresh if that is too stale).  kill -9 loses only leases, which expire
+    on the server and are re-issued (the tokens in flight are lost).
   * A bad item never ends the worker: an exception while inserting, scoring or sending one prompt is reported
     to the server (Client.fail, with the reason), which re-issues it and quarantines it after its
     --max_failures reports; the worker goes on with the next (fail_item).
@@ -264,8 +263,7 @@ class Engine:
   def rows(self, slots):
     """Host copies of (tokens, logp, n_gen, versions) for the given slots; completions include the stop token."""
     s = jnp.asarray(slots, jnp.int32)
-    return (np.asarray(self.state["tokens"][s]), np.asarray(self.state["logp"][s]),
-            np.asarray(self.state["n_gen"][s]), np.asarray(self.state["versions"][s]))
+    return tuple(np.asarray(self.state[k][s]) for k in ("tokens", "logp", "n_gen", "versions"))
 
 
 class Slots:
@@ -322,10 +320,9 @@ def generate_groups(engine, params, items, group_size, seed):
 
 
 class Sender:
-  """Runs fn(job) for each submitted job, in order, on one background thread: the worker scores (the verifier
-  pool's processes), puts and acks finished groups there, so decoding never waits for a verifier or the network.
-  The queue is bounded: if sending falls `maxsize` groups behind, submit blocks (decoding waits). The first
-  exception stops the sending and is re-raised on the loop's thread by check() / submit() / close()."""
+  """Runs fn(job) for each submitted job, in order, on one background thread (the worker scores, puts and acks
+  finished groups there). The queue is bounded: if sending falls `maxsize` groups behind, submit blocks (decoding
+  waits). The first exception stops the sending and is re-raised on the loop's thread by check/submit/close()."""
 
   def __init__(self, fn, maxsize: int):
     self.fn, self.q, self.error = fn, queue.Queue(maxsize), None
