@@ -1,7 +1,6 @@
 """Attention kernels: pure-jnp references (this file's contract) and Pallas TPU kernels.
 
-Shapes (legend as in model.py): B batch, T query len, S key len, N q heads, K kv heads, G = N // K q heads per
-kv head, H head dim.
+Shapes (legend as in model.py): B batch, T query len, S key len, N q heads, K kv heads, H head dim; G = N // K.
 
   attention(q [B,T,N,H], k [B,S,K,H], v [B,S,K,H], segment_ids [B,T] | None, causal=True, impl="auto")
       -> [B,T,N,H] in q.dtype.  Softmax in fp32. GQA: q head n uses kv head n // (N // K).
@@ -144,16 +143,30 @@ def _split_refs(refs, has_seg):
   return (refs[:2], refs[2:]) if has_seg else ((None, None), refs)
 
 
+def _zero(*refs):
+  for ref in refs:
+    ref[...] = jnp.zeros(ref.shape, jnp.float32)
+
+
+def _softmax_init(m_scr, l_scr, acc_scr):
+  m_scr[...] = jnp.full(m_scr.shape, NEG_INF, jnp.float32)
+  _zero(l_scr, acc_scr)
+
+
+def _softmax_step(s, m_prev, l_prev, acc_prev, pv):
+  """Online softmax over one key block: rescales what was accumulated under the old running max. s: fp32 scores
+  [..., bk]; pv(p) -> p @ V. Returns the new (running max, sum, accumulator)."""
+  m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+  alpha = jnp.exp(m_prev - m_new)
+  p = jnp.exp(s - m_new)
+  return m_new, alpha * l_prev + p.sum(axis=-1, keepdims=True), alpha * acc_prev + pv(p)
+
+
 def _fwd_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
   (qseg_ref, kvseg_ref), (q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr) = _split_refs(refs, has_seg)
   qi, kj = pl.program_id(2), pl.program_id(3)
   G, _, H = q_ref.shape
-
-  @pl.when(kj == 0)
-  def _init():
-    m_scr[...] = jnp.full(m_scr.shape, NEG_INF, jnp.float32)
-    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+  pl.when(kj == 0)(lambda: _softmax_init(m_scr, l_scr, acc_scr))
 
   def _compute():
     # The G heads of the group become G*bq matmul rows against one K tile.
@@ -161,15 +174,9 @@ def _fwd_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
     mask = _block_mask(qi, kj, bq, bk, causal, qseg_ref, kvseg_ref)
     if mask is not None:
       s = jnp.where(mask[None], s, NEG_INF)
-    # Online softmax: rescale what was accumulated under the old running max.
-    m_prev = m_scr[...]
-    m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
-    alpha = jnp.exp(m_prev - m_new)
-    p = jnp.exp(s - m_new)
-    l_scr[...] = alpha * l_scr[...] + p.sum(axis=-1, keepdims=True)
-    pv = jnp.dot(p.reshape(G * bq, bk).astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
-    acc_scr[...] = alpha * acc_scr[...] + pv.reshape(G, bq, H)
-    m_scr[...] = m_new
+    pv = lambda p: jnp.dot(p.reshape(G * bq, bk).astype(v_ref.dtype), v_ref[...],  # noqa: E731
+                           preferred_element_type=jnp.float32).reshape(G, bq, H)
+    m_scr[...], l_scr[...], acc_scr[...] = _softmax_step(s, m_scr[...], l_scr[...], acc_scr[...], pv)
 
   _run_if(_block_visible(qi, kj, bq, bk, causal), _compute)
 
@@ -201,11 +208,7 @@ def _dkv_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
   (qseg_ref, kvseg_ref), refs = _split_refs(refs, has_seg)
   in_refs, (dk_ref, dv_ref, dk_scr, dv_scr) = refs[:6], refs[6:]
   kj, qi = pl.program_id(2), pl.program_id(3)  # kv block outer, q blocks reduced over
-
-  @pl.when(qi == 0)
-  def _init():
-    dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
-    dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
+  pl.when(qi == 0)(lambda: _zero(dk_scr, dv_scr))
 
   def _compute():
     q, do, p, ds = _bwd_block(qi, kj, causal, sm_scale, bq, bk, qseg_ref, kvseg_ref, *in_refs)
@@ -226,10 +229,7 @@ def _dq_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
   in_refs, (dq_ref, dq_scr) = refs[:6], refs[6:]
   k_ref = in_refs[1]
   qi, kj = pl.program_id(2), pl.program_id(3)
-
-  @pl.when(kj == 0)
-  def _init():
-    dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+  pl.when(kj == 0)(lambda: _zero(dq_scr))
 
   def _compute():
     _, _, _, ds = _bwd_block(qi, kj, causal, sm_scale, bq, bk, qseg_ref, kvseg_ref, *in_refs)
@@ -243,13 +243,10 @@ def _dq_kernel(*refs, causal, has_seg, sm_scale, bq, bk):
     dq_ref[...] = dq_scr[...].astype(dq_ref.dtype)
 
 
-def _specs(G, H, bq, bk, causal, q_major):
-  """BlockSpecs for (q-like [B,K,G,T,*], kv-like [B,K,S,H], q seg, kv seg) on a grid (B, K, outer, inner).
-
-  q_major: grid is (.., q block, kv block) (forward, dQ), else (.., kv block, q block) (dK/dV). For causal the
-  index of the block that the diagonal makes useless is clamped to the nearest useful one: an unchanged
-  block index between consecutive steps means no new DMA.
-  """
+def _specs(G, H, bq, bk, causal, q_major, has_seg):
+  """BlockSpecs for (q-like [B,K,G,T,H], lse-like [B,K,G,T,1], kv-like [B,K,S,H], [q seg, kv seg] or [] when
+  not has_seg) on a grid (B, K, outer, inner): (.., q block, kv block) when q_major (forward, dQ), else (.., kv
+  block, q block) (dK/dV). Causal: a block the diagonal makes useless maps to the nearest useful one (no DMA)."""
   def qk_idx(o, i):
     qi, kj = (o, i) if q_major else (i, o)
     if causal and q_major:
@@ -258,78 +255,72 @@ def _specs(G, H, bq, bk, causal, q_major):
       qi = jnp.maximum(qi, (kj * bk) // bq)  # first q block that sees this kv block
     return qi, kj
 
-  def q_map(b, h, o, i):
-    return b, h, 0, qk_idx(o, i)[0], 0
-
-  def kv_map(b, h, o, i):
-    return b, h, qk_idx(o, i)[1], 0
-
+  q_map = lambda b, h, o, i: (b, h, 0, qk_idx(o, i)[0], 0)  # noqa: E731
+  kv_map = lambda b, h, o, i: (b, h, qk_idx(o, i)[1], 0)  # noqa: E731
   q_spec = pl.BlockSpec((None, None, G, bq, H), q_map)
   lse_spec = pl.BlockSpec((None, None, G, bq, 1), q_map)
   kv_spec = pl.BlockSpec((None, None, bk, H), kv_map)
-  qseg_spec = pl.BlockSpec((None, bq, 1), lambda b, h, o, i: (b, qk_idx(o, i)[0], 0))
-  kvseg_spec = pl.BlockSpec((None, 1, bk), lambda b, h, o, i: (b, 0, qk_idx(o, i)[1]))
-  return q_spec, lse_spec, kv_spec, qseg_spec, kvseg_spec
+  seg_specs = [pl.BlockSpec((None, bq, 1), lambda b, h, o, i: (b, qk_idx(o, i)[0], 0)),
+               pl.BlockSpec((None, 1, bk), lambda b, h, o, i: (b, 0, qk_idx(o, i)[1]))] if has_seg else []
+  return q_spec, lse_spec, kv_spec, seg_specs
 
 
 _SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
 
 
 def _flash_fwd(q, k, v, seg, causal, sm_scale, bq, bk):
+  """The output and the residuals the backward needs (the fp32 log-sum-exp included)."""
   B, K, G, T, H = q.shape
-  S = k.shape[2]
-  q_spec, lse_spec, kv_spec, qseg_spec, kvseg_spec = _specs(G, H, bq, bk, causal, q_major=True)
   has_seg = seg is not None
-  kernel = functools.partial(_fwd_kernel, causal=causal, has_seg=has_seg, sm_scale=sm_scale, bq=bq, bk=bk)
+  q_spec, lse_spec, kv_spec, seg_specs = _specs(G, H, bq, bk, causal, True, has_seg)
   o, lse = pl.pallas_call(
-      kernel,
-      grid=(B, K, T // bq, S // bk),
-      in_specs=([qseg_spec, kvseg_spec] if has_seg else []) + [q_spec, kv_spec, kv_spec],
+      functools.partial(_fwd_kernel, causal=causal, has_seg=has_seg, sm_scale=sm_scale, bq=bq, bk=bk),
+      grid=(B, K, T // bq, k.shape[2] // bk),
+      in_specs=seg_specs + [q_spec, kv_spec, kv_spec],
       out_specs=[q_spec, lse_spec],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, K, G, T, 1), jnp.float32)],
       scratch_shapes=[pltpu.VMEM((G, bq, 1), jnp.float32), pltpu.VMEM((G, bq, 1), jnp.float32),
                       pltpu.VMEM((G, bq, H), jnp.float32)],
       compiler_params=_SEMANTICS,
       name="flash_attention_fwd",
-  )(*(seg if has_seg else ()), q, k, v)
-  return o, lse
+  )(*(seg or ()), q, k, v)
+  return o, (q, k, v, seg, o, lse)
 
 
-def _flash_bwd(q, k, v, seg, o, lse, do, causal, sm_scale, bq, bk):
+def _flash_bwd(causal, sm_scale, bq, bk, res, do):
+  q, k, v, seg, o, lse = res
   B, K, G, T, H = q.shape
   S = k.shape[2]
   has_seg = seg is not None
-  seg_args = seg if has_seg else ()
   # di = rowsum(dO * O): the softmax-Jacobian correction, one fp32 scalar per query row.
   di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
   params = dict(causal=causal, has_seg=has_seg, sm_scale=sm_scale, bq=bq, bk=bk)
+  args = (*(seg or ()), q, k, v, do, lse, di)
 
-  q_spec, lse_spec, kv_spec, qseg_spec, kvseg_spec = _specs(G, H, bq, bk, causal, q_major=False)
+  q_spec, lse_spec, kv_spec, seg_specs = _specs(G, H, bq, bk, causal, False, has_seg)
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, **params),
       grid=(B, K, S // bk, T // bq),
-      in_specs=([qseg_spec, kvseg_spec] if has_seg else []) + [q_spec, kv_spec, kv_spec, q_spec, lse_spec,
-                                                               lse_spec],
+      in_specs=seg_specs + [q_spec, kv_spec, kv_spec, q_spec, lse_spec, lse_spec],
       out_specs=[kv_spec, kv_spec],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       scratch_shapes=[pltpu.VMEM((bk, H), jnp.float32), pltpu.VMEM((bk, H), jnp.float32)],
       compiler_params=_SEMANTICS,
       name="flash_attention_dkv",
-  )(*seg_args, q, k, v, do, lse, di)
+  )(*args)
 
-  q_spec, lse_spec, kv_spec, qseg_spec, kvseg_spec = _specs(G, H, bq, bk, causal, q_major=True)
+  q_spec, lse_spec, kv_spec, seg_specs = _specs(G, H, bq, bk, causal, True, has_seg)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, **params),
       grid=(B, K, T // bq, S // bk),
-      in_specs=([qseg_spec, kvseg_spec] if has_seg else []) + [q_spec, kv_spec, kv_spec, q_spec, lse_spec,
-                                                               lse_spec],
+      in_specs=seg_specs + [q_spec, kv_spec, kv_spec, q_spec, lse_spec, lse_spec],
       out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       scratch_shapes=[pltpu.VMEM((G, bq, H), jnp.float32)],
       compiler_params=_SEMANTICS,
       name="flash_attention_dq",
-  )(*seg_args, q, k, v, do, lse, di)
-  return dq, dk, dv
+  )(*args)
+  return dq, dk, dv, None  # segment ids are integers: no cotangent
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
@@ -337,18 +328,7 @@ def _flash(q, k, v, seg, causal, sm_scale, bq, bk):
   return _flash_fwd(q, k, v, seg, causal, sm_scale, bq, bk)[0]
 
 
-def _flash_vjp_fwd(q, k, v, seg, causal, sm_scale, bq, bk):
-  o, lse = _flash_fwd(q, k, v, seg, causal, sm_scale, bq, bk)
-  return o, (q, k, v, seg, o, lse)
-
-
-def _flash_vjp_bwd(causal, sm_scale, bq, bk, res, do):
-  q, k, v, seg, o, lse = res
-  dq, dk, dv = _flash_bwd(q, k, v, seg, o, lse, do, causal, sm_scale, bq, bk)
-  return dq, dk, dv, None  # segment ids are integers: no cotangent
-
-
-_flash.defvjp(_flash_vjp_fwd, _flash_vjp_bwd)
+_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _check_block(name, block, multiple=8):
@@ -395,8 +375,7 @@ def flash_attention(q, k, v, segment_ids=None, *, causal=True, sm_scale=None, bl
 
   # [B,T,N,H] -> [B,K,G,T,H]: heads of one group adjacent, sequence second-minor (TPU sublanes).
   qt = jnp.pad(q.reshape(B, T, K, G, H), ((0, 0), (0, Tp - T), (0, 0), (0, 0), (0, 0))).transpose(0, 2, 3, 1, 4)
-  kt = jnp.pad(k, ((0, 0), (0, Sp - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-  vt = jnp.pad(v, ((0, 0), (0, Sp - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  kt, vt = (jnp.pad(x, ((0, 0), (0, Sp - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for x in (k, v))
   o = _flash(qt, kt, vt, seg, causal, sm_scale, bq, bk)
   return o.transpose(0, 3, 1, 2, 4)[:, :T].reshape(B, T, N, H)
 
@@ -408,12 +387,7 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_sc
   b, j = pl.program_id(0), pl.program_id(1)
   K, G, H = q_ref.shape
   length = lengths_ref[b]
-
-  @pl.when(j == 0)
-  def _init():
-    m_scr[...] = jnp.full(m_scr.shape, NEG_INF, jnp.float32)
-    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+  pl.when(j == 0)(lambda: _softmax_init(m_scr, l_scr, acc_scr))
 
   @pl.when(j * bs < length)  # blocks wholly past the length: no compute (and, via the index map, no DMA)
   def _compute():
@@ -425,13 +399,8 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_sc
       # 0 * garbage cannot leak a NaN into the sum.
       v = jnp.where(valid_col, v_ref[:, h * H:(h + 1) * H], 0)
       s = jnp.where(valid_row, _dot_t(q_ref[h], k) * sm_scale, NEG_INF)  # [G,bs]
-      m_prev = m_scr[h]
-      m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
-      alpha = jnp.exp(m_prev - m_new)
-      p = jnp.exp(s - m_new)
-      l_scr[h] = alpha * l_scr[h] + p.sum(axis=-1, keepdims=True)
-      acc_scr[h] = alpha * acc_scr[h] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-      m_scr[h] = m_new
+      pv = lambda p: jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # noqa: E731
+      m_scr[h], l_scr[h], acc_scr[h] = _softmax_step(s, m_scr[h], l_scr[h], acc_scr[h], pv)
 
   @pl.when(j == pl.num_programs(1) - 1)
   def _finish():
@@ -462,7 +431,6 @@ def ragged_decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, bloc
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
 
   def kv_map(b, j, lengths_ref):
-    # Clamp to the row's last valid block: steps past it revisit that block, which costs no DMA.
     return b, jnp.maximum(jnp.minimum(j, (lengths_ref[b] - 1) // bs), 0), 0
 
   qo_spec = pl.BlockSpec((None, K, G, H), lambda b, j, lengths_ref: (b, 0, 0, 0))
@@ -522,8 +490,7 @@ def _shard_call(fn, mesh, in_specs, out_specs, *args):
 
 def attention(q, k, v, segment_ids=None, *, causal=True, sm_scale=None, impl="auto", mesh=None,
               block_q=128, block_k=128):
-  """Causal/GQA/packed attention; see module docstring. impl="pallas" runs per shard on `mesh` (or the
-  context mesh) with batch over ("data","fsdp") and heads over "tensor"."""
+  """Causal/GQA/packed attention; see the module docstring (contract, impl, sharding over `mesh`)."""
   if not _use_pallas(impl):
     return attention_reference(q, k, v, segment_ids, causal=causal, sm_scale=sm_scale)
   fn = functools.partial(flash_attention, causal=causal, sm_scale=sm_scale, block_q=block_q, block_k=block_k)

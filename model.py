@@ -67,6 +67,7 @@ Run
 """
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -122,8 +123,7 @@ class Config:
       raise ValueError(f"Config.rope_theta={self.rope_theta} and rms_norm_eps={self.rms_norm_eps} must be > 0")
     if self.arch not in _ARCHS:
       raise ValueError(f"Config.arch={self.arch!r} unsupported; supported: {sorted(_ARCHS)}")
-    want = _FAMILY_FLAGS[_ARCHS[self.arch]]
-    for f, v in want.items():
+    for f, v in _FAMILY_FLAGS[_ARCHS[self.arch]].items():
       if getattr(self, f) != v:
         raise ValueError(f"Config.{f}={getattr(self, f)} does not match arch {self.arch} (which has {f}={v})")
     if self.rope_scaling is not None:
@@ -184,12 +184,10 @@ class Config:
     # RoPE: transformers 5 writes rope_parameters={rope_type, rope_theta, ...}; 4.x wrote rope_theta at top
     # level and rope_scaling={type|rope_type, ...} or null.
     rp = d.get("rope_parameters")
+    field = "rope_scaling" if rp is None else "rope_parameters"
     if rp is None:
       rp = dict(d.get("rope_scaling") or {})
       rp.setdefault("rope_theta", d.get("rope_theta", 10000.0))
-      field = "rope_scaling"
-    else:
-      field = "rope_parameters"
     if not isinstance(rp, dict):
       raise ValueError(f"{source}: {field} must be an object, got {rp!r}")
     rtype = rp.get("rope_type", rp.get("type", "default"))
@@ -287,7 +285,6 @@ def logical_spec(axes, shape, mesh):
 
 
 def _constrain(x, axes):
-  # Constrain activations only under `jax.set_mesh(mesh)`; with no mesh the model runs unsharded.
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return x
@@ -417,8 +414,7 @@ def _inv_freq(cfg):
   H = cfg.head_dim
   inv = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, H, 2, dtype=np.float32) / np.float32(H)))
   if cfg.rope_scaling is not None:
-    rs = dict(cfg.rope_scaling)
-    factor, lo, hi, old = (rs[k] for k in _LLAMA3_KEYS)
+    factor, lo, hi, old = map(dict(cfg.rope_scaling).get, _LLAMA3_KEYS)
     wavelen = 2 * math.pi / inv
     scaled = np.where(wavelen > old / lo, inv / factor, inv)  # long wavelengths: interpolate fully
     smooth = (old / wavelen - lo) / (hi - lo)
@@ -504,10 +500,8 @@ def _check_tokens(tokens, ndim, what):
 
 def forward_hidden(params, cfg, tokens, positions=None, segment_ids=None, *, attn_impl="auto", remat=False):
   """Training forward to the final normed hidden [B,T,D] fp32.
-
   positions [B,T] (default arange(T)) drive RoPE; segment_ids [B,T] (default all ones): packed sequences
-  attend only within their segment (causal by index). For packing, restart positions at each segment.
-  """
+  attend only within their segment (causal by index). For packing, restart positions at each segment."""
   _check_tokens(tokens, 2, "forward")
   B, T = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions is None else positions
@@ -542,14 +536,11 @@ def _constrain_cache(cache):
 
 def prefill(params, cfg, tokens, lengths, cache, *, attn_impl="auto"):
   """Prompts tokens [B,T] (right-padded; row b is valid on [0, lengths[b]), lengths >= 1) into an empty cache.
-
   Writes cache positions [0, lengths[b]) and sets cache lengths; returns fp32 logits of each row's last
-  prompt token [B,V] and the cache. T must be <= the cache length S.
-  """
+  prompt token [B,V] and the cache. T must be <= the cache length S."""
   _check_tokens(tokens, 2, "prefill")
   B, T = tokens.shape
-  S = cache["k"].shape[2]
-  if T > S or cache["k"].shape[1] != B:
+  if T > cache["k"].shape[2] or cache["k"].shape[1] != B:
     raise ValueError(f"prefill: tokens {tokens.shape} do not fit cache k {cache['k'].shape} (need B equal, T <= S)")
   lengths = lengths.astype(jnp.int32)
   valid = jnp.arange(T)[None, :] < lengths[:, None]  # [B,T]
@@ -571,9 +562,8 @@ def prefill(params, cfg, tokens, lengths, cache, *, attn_impl="auto"):
 def decode_step(params, cfg, tokens, cache, *, attn_impl="auto"):
   """One token per row: tokens [B] go to position cache.lengths[b]; returns (logits [B,V] fp32, cache)."""
   _check_tokens(tokens, 1, "decode_step")
-  B = tokens.shape[0]
   lengths = cache["lengths"]
-  rows = jnp.arange(B)
+  rows = jnp.arange(tokens.shape[0])
 
   def attn(q, k, v, layer_cache):
     kc, vc = layer_cache  # [B,S,K,H] this layer's cache; write the new token before attending to it
@@ -587,8 +577,7 @@ def decode_step(params, cfg, tokens, cache, *, attn_impl="auto"):
   h, (k_new, v_new) = _run(params, cfg, tokens[:, None], lengths[:, None], attn, xs=(cache["k"], cache["v"]))
   k = cache["k"].at[:, rows, lengths].set(k_new.astype(cache["k"].dtype))
   v = cache["v"].at[:, rows, lengths].set(v_new.astype(cache["v"].dtype))
-  logits = logits_from_hidden(params, cfg, h[:, 0])
-  return logits, _constrain_cache({"k": k, "v": v, "lengths": lengths + 1})
+  return logits_from_hidden(params, cfg, h[:, 0]), _constrain_cache({"k": k, "v": v, "lengths": lengths + 1})
 
 
 # ----------------------------------------------------------------------------------------------------- HF I/O
@@ -635,9 +624,7 @@ def _to_ours(w, n_in, shape):
 
 def _to_hf(w, n_in):
   hf_shape = _hf_shape(n_in, w.shape)
-  if n_in in (None, "same"):
-    return np.ascontiguousarray(w.reshape(hf_shape))
-  return np.ascontiguousarray(w.reshape(hf_shape[::-1]).T)
+  return np.ascontiguousarray(w.reshape(hf_shape) if n_in in (None, "same") else w.reshape(hf_shape[::-1]).T)
 
 
 def _np_dtype(dtype):
@@ -649,11 +636,9 @@ def _np_dtype(dtype):
 
 def load_hf_checkpoint(path, dtype=None, *, mesh=None):
   """Reads an HF checkpoint directory (config.json + model.safetensors or shards with an index.json).
-
   dtype: None keeps the stored dtype (of the embedding; all params share one dtype), else casts.
   mesh: when given, each param is placed directly with its sharding (never whole on one device).
-  Returns (cfg, params). ValueError names the file and tensor on a missing/unexpected/mis-shaped tensor.
-  """
+  Returns (cfg, params). ValueError names the file and tensor on a missing/unexpected/mis-shaped tensor."""
   from safetensors import safe_open  # numpy API; bf16 arrives as ml_dtypes.bfloat16
   cfg = Config.from_hf(path)
   index_fn = os.path.join(path, "model.safetensors.index.json")
@@ -677,8 +662,7 @@ def load_hf_checkpoint(path, dtype=None, *, mesh=None):
         handles[fn] = safe_open(full, framework="numpy")
       except Exception as e:  # SafetensorError on a truncated or corrupt header
         raise ValueError(f"{full}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-      for name in handles[fn].keys():
-        where[name] = fn
+      where.update(dict.fromkeys(handles[fn].keys(), fn))
     if dtype is None:
       if "model.embed_tokens.weight" not in where:
         raise ValueError(f"{path}: missing tensor 'model.embed_tokens.weight'")
@@ -717,18 +701,13 @@ def load_hf_checkpoint(path, dtype=None, *, mesh=None):
       raise ValueError(f"{where[extra[0]]}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in total)")
   finally:
     handles.clear()
-  if mesh is not None:
-    return cfg, shard_params(out, cfg, mesh)
-  return cfg, jax.tree.map(jnp.asarray, out)
+  return cfg, (jax.tree.map(jnp.asarray, out) if mesh is None else shard_params(out, cfg, mesh))
 
 
 def save_hf_checkpoint(path, cfg, params, dtype=None, *, max_shard_bytes=4 << 30):
-  """Writes config.json + model.safetensors (or model-0000i-of-0000n.safetensors + index.json when larger
-  than max_shard_bytes) that transformers' AutoModelForCausalLM.from_pretrained loads unchanged.
-
-  dtype: None keeps the params' dtype. Params must be fully addressable from this process (single host or
-  gathered first).
-  """
+  """Writes config.json + model.safetensors (or model-0000i-of-0000n.safetensors + index.json when larger than
+  max_shard_bytes) that transformers' AutoModelForCausalLM.from_pretrained loads unchanged. dtype: None keeps the
+  params' dtype. Params must be fully addressable from this process (single host or gathered first)."""
   from safetensors.numpy import save_file
   dtype = _np_dtype(params["embed"].dtype if dtype is None else dtype)
   want = jax.tree.map(lambda sa: sa[0], param_axes(cfg), is_leaf=_is_leaf)
@@ -737,10 +716,8 @@ def save_hf_checkpoint(path, cfg, params, dtype=None, *, max_shard_bytes=4 << 30
     raise ValueError(f"save_hf_checkpoint: params do not match cfg: shapes {got} vs expected {want}")
   os.makedirs(path, exist_ok=True)
   host = jax.tree.map(lambda a: np.asarray(jax.device_get(a)).astype(dtype), params)
-  tensors = []  # (HF name, array) in HF order
-  for key, layer, hf_name, n_in, _ in _hf_names(cfg):
-    w = host[key[0]] if layer is None else host["layers"][key[1]][layer]
-    tensors.append((hf_name, _to_hf(w, n_in)))
+  tensors = [(hf_name, _to_hf(host[key[0]] if layer is None else host["layers"][key[1]][layer], n_in))
+             for key, layer, hf_name, n_in, _ in _hf_names(cfg)]  # in HF order
   shards, cur, cur_bytes = [], [], 0
   for name, w in tensors:
     if cur and cur_bytes + w.nbytes > max_shard_bytes:
@@ -770,17 +747,14 @@ def save_hf_checkpoint_streamed(path, cfg, get_leaf, dtype, write=True):
   trainer). The safetensors header is known from the shapes alone, so it is written first and the bytes
   stream after it. write=False only calls get_leaf (the other processes of a collective gather)."""
   dtype = _np_dtype(dtype)
-  names = list(_hf_names(cfg))
-  order = list(dict.fromkeys(key for key, *_ in names))  # each of our tensors once, its HF tensors together
+  names = list(_hf_names(cfg))  # the HF tensors of each of our tensors come together
   header, off = {}, 0
-  for key in order:
-    for k, layer, hf_name, n_in, shape in names:
-      if k == key:
-        hf_shape = _hf_shape(n_in, shape)
-        n = math.prod(hf_shape) * dtype.itemsize
-        header[hf_name] = {"dtype": {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype.name],
-                           "shape": list(hf_shape), "data_offsets": [off, off + n]}
-        off += n
+  for _, _, hf_name, n_in, shape in names:
+    hf_shape = _hf_shape(n_in, shape)
+    n = math.prod(hf_shape) * dtype.itemsize
+    header[hf_name] = {"dtype": {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype.name],
+                       "shape": list(hf_shape), "data_offsets": [off, off + n]}
+    off += n
   f = None
   if write:
     os.makedirs(path, exist_ok=True)
@@ -791,15 +765,14 @@ def save_hf_checkpoint_streamed(path, cfg, get_leaf, dtype, write=True):
     f = open(os.path.join(path, "model.safetensors"), "wb")
     f.write(len(hb).to_bytes(8, "little") + hb)
   try:
-    for key in order:
+    for key, group in itertools.groupby(names, key=lambda e: e[0]):
       w = get_leaf(key)
       if f is None:
         continue
-      for k, layer, hf_name, n_in, shape in names:
-        if k == key:
-          t = _to_hf((w if layer is None else w[layer]).astype(dtype), n_in)
-          assert list(t.shape) == header[hf_name]["shape"], (hf_name, t.shape)
-          f.write(t.tobytes())
+      for _, layer, hf_name, n_in, _ in group:
+        t = _to_hf((w if layer is None else w[layer]).astype(dtype), n_in)
+        assert list(t.shape) == header[hf_name]["shape"], (hf_name, t.shape)
+        f.write(t.tobytes())
       del w
   finally:
     if f is not None:

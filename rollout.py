@@ -2,28 +2,27 @@
 
 Design:
   * Generation is a jit-compiled KV-cache loop over a fixed number of *slots* (continuous batching): every
-    `--chunk_steps` decode steps the host looks at which slots finished (stop token or max new tokens), hands
-    their groups to the sender, and refills the free slots with newly leased prompts, prefilled together as one
-    batch; a prompt with G samples is prefilled once and its cache row copied into G slots.  Host syncs happen
-    once per chunk, never per token.
+    `--chunk_steps` decode steps (one host sync per chunk, never per token) the host hands the groups of finished
+    slots (stop token or max new tokens) to the sender and refills free slots with newly leased prompts, prefilled
+    as one batch; a prompt with G samples is prefilled once and its cache row copied into G slots.
   * The decode loop never waits on I/O: the next weights download on a background thread (Puller; at most two
     versions held), and finished groups are scored, put and acked in order on another (Sender), each thread
     with its own server connection.  Sampling is inverse-CDF with one uniform per row (inverse_cdf_sample).
-  * Behaviour log-probs are the log-probs of the distribution actually sampled from: logits / temperature, then
-    top-k / top-p truncation, renormalised, in fp32.  With temperature-only sampling (the default) that is exactly
-    what the trainer recomputes (losses.token_logprobs_and_entropy(..., temperature)); with top-k/top-p the
-    trainer's ratio includes the truncation and truncated IS corrects for it.
+  * Behaviour log-probs are those of the distribution actually sampled from (logits / temperature, top-k / top-p
+    truncation, renormalised, fp32): with temperature-only sampling (the default) exactly what the trainer
+    recomputes (losses.token_logprobs_and_entropy(..., temperature)); with top-k/top-p the trainer's ratio
+    includes the truncation and truncated IS corrects for it.
   * RNG is deterministic per prompt: sample j of prompt id p uses fold_in(fold_in(seed, hash(p)), j) and
     step t folds in t, so a re-issued prompt with the same weights reproduces the same tokens.
-  * Weights are swapped between chunks once a newer version is fully downloaded; a rollout is tagged with the oldest
-    version that produced any of its tokens (its staleness bound is conservative).  Groups whose version is
-    more than --max_staleness versions behind the newest are regenerated before they are sent.
+  * Weights are swapped between chunks once a newer version is fully downloaded; a rollout is tagged with the
+    oldest version that produced any of its tokens (a conservative staleness bound) and regenerated before it is
+    sent if that is more than --max_staleness versions behind the newest.
   * Preemption: SIGTERM stops leasing, finishes the groups in flight for at most --drain_s seconds, sends them,
-    and hands the rest back with their partial rollouts (tokens so far, behaviour log-probs, the version of
-    each token; Client.release), which the server re-issues first.  The next worker prefills prompt + partial
-    completion and decodes on with the same per-step keys, so no generated token is wasted; the group is
-    tagged with its oldest token's version and generated afresh if that is too stale.  kill -9 loses only
-    leases, which expire on the server and are re-issued (the tokens in flight are lost).
+    and hands the rest back with their partial rollouts (tokens so far, behaviour log-probs, each token's
+    version; Client.release), which the server re-issues first.  The next worker prefills prompt + partial
+    completion and decodes on with the same per-step keys, so no generated token is wasted (tagged with its
+    oldest token's version; generated afresh if that is too stale).  kill -9 loses only leases, which expire
+    on the server and are re-issued (the tokens in flight are lost).
   * A bad item never ends the worker: an exception while inserting, scoring or sending one prompt is reported
     to the server (Client.fail, with the reason), which re-issues it and quarantines it after its
     --max_failures reports; the worker goes on with the next (fail_item).
@@ -96,13 +95,11 @@ def _last_positive(p):
 
 def inverse_cdf_sample(logp, keys, block: int = 128):
   """One draw per row of the categorical exp(logp) [B,V], with ONE uniform per row (keys [B,2]).
-
   Gumbel-max (jax.random.categorical) draws V random numbers per row: at V=32k, batch 64 that was 28% of a
   decode step on CPU (issue 17). Inverse-CDF needs one, and two levels (block sums of `block` tokens, then
   the running sum inside the chosen block) keep each running sum short, so fp32 rounding moves a token's
   interval by ~1e-7 x its block's mass, not x 1. A token of probability 0 (cut by top-k/top-p) is never drawn: its
-  interval is empty, and an index pushed past the end by rounding is clamped to the last positive one.
-  """
+  interval is empty, and an index pushed past the end by rounding is clamped to the last positive one."""
   B, V = logp.shape
   nb = -(-V // block)
   p = jnp.pad(jnp.exp(logp), ((0, 0), (0, nb * block - V))).reshape(B, nb, block)  # padding: probability 0
@@ -162,18 +159,13 @@ class Engine:
   def reset(self, dtype):
     B, M, cfg = self.B, self.M, self.cfg
     self.state = dict(
-        cache=model.init_cache(cfg, B, self.S, dtype),
-        logits=jnp.zeros((B, cfg.vocab_size), jnp.float32),
-        active=jnp.zeros((B,), bool),
-        n_gen=jnp.zeros((B,), jnp.int32),
-        tokens=jnp.zeros((B, M), jnp.int32),
-        logp=jnp.zeros((B, M), jnp.float32),
+        cache=model.init_cache(cfg, B, self.S, dtype), logits=jnp.zeros((B, cfg.vocab_size), jnp.float32),
+        active=jnp.zeros((B,), bool), n_gen=jnp.zeros((B,), jnp.int32),
+        tokens=jnp.zeros((B, M), jnp.int32), logp=jnp.zeros((B, M), jnp.float32),
         # The policy version of each token: that of the weights whose forward gave the logits it was sampled
         # from (logits_version), so a token sampled right after a weight swap still counts as the old version.
-        versions=jnp.zeros((B, M), jnp.int32),
-        logits_version=jnp.zeros((B,), jnp.int32),
-        keys=jnp.zeros((B, 2), jnp.uint32),
-    )
+        versions=jnp.zeros((B, M), jnp.int32), logits_version=jnp.zeros((B,), jnp.int32),
+        keys=jnp.zeros((B, 2), jnp.uint32))
 
   def _insert_fn(self, params, st, prompts, lengths, rows, slots, keys, version):
     # Prefill n prompts [n,T] as one batch into a T-long cache, then copy prompt rows[j]'s cache row into slot
@@ -209,9 +201,8 @@ class Engine:
       tok, lp = sample(st["logits"], keys, sc)
       live = st["active"]
       idx = jnp.minimum(st["n_gen"], M - 1)
-      tokens = st["tokens"].at[rows, idx].set(jnp.where(live, tok, st["tokens"][rows, idx]))
-      logp = st["logp"].at[rows, idx].set(jnp.where(live, lp, st["logp"][rows, idx]))
-      versions = st["versions"].at[rows, idx].set(jnp.where(live, st["logits_version"], st["versions"][rows, idx]))
+      put = lambda name, x: st[name].at[rows, idx].set(jnp.where(live, x, st[name][rows, idx]))  # noqa: E731
+      tokens, logp, versions = put("tokens", tok), put("logp", lp), put("versions", st["logits_version"])
       n_gen = st["n_gen"] + live
       done = live & (jnp.isin(tok, stop) | (n_gen >= M))
       old_len = st["cache"]["lengths"]
@@ -272,8 +263,7 @@ class Engine:
   def rows(self, slots):
     """Host copies of (tokens, logp, n_gen, versions) for the given slots; completions include the stop token."""
     s = jnp.asarray(slots, jnp.int32)
-    return (np.asarray(self.state["tokens"][s]), np.asarray(self.state["logp"][s]),
-            np.asarray(self.state["n_gen"][s]), np.asarray(self.state["versions"][s]))
+    return tuple(np.asarray(self.state[k][s]) for k in ("tokens", "logp", "n_gen", "versions"))
 
 
 class Slots:
@@ -301,12 +291,10 @@ class Slots:
     return [gid for gid, g in self.groups.items() if not active[g["slots"]].any()]
 
 
-def generate_groups(engine, params, items, group_size, seed, on_group=None):
+def generate_groups(engine, params, items, group_size, seed):
   """Runs `items` (list of (prompt_id, prompt_tokens)) through the engine, G samples each; continuous batching.
-
-  Returns {prompt_id: (list of completion token arrays, list of logp arrays)} (also passed to on_group as they
-  finish). Used by eval and by tests; the worker loop below interleaves the same steps with the server.
-  """
+  Returns {prompt_id: (list of completion token arrays, list of logp arrays)}. Used by eval, tests and benches;
+  the worker loop below interleaves the same steps with the server."""
   G, B = group_size, engine.B
   if B < G:
     raise ValueError(f"slots={B} < group_size={G}")
@@ -323,10 +311,7 @@ def generate_groups(engine, params, items, group_size, seed, on_group=None):
     active = engine.run_chunk(params)
     for pid in slots.finished(active):
       toks, lps, n, _ = engine.rows(slots.release(pid)["slots"])
-      res = ([toks[i, :n[i]] for i in range(G)], [lps[i, :n[i]] for i in range(G)])
-      out[pid] = res
-      if on_group:
-        on_group(pid, *res)
+      out[pid] = ([toks[i, :n[i]] for i in range(G)], [lps[i, :n[i]] for i in range(G)])
   return out
 
 
@@ -335,10 +320,9 @@ def generate_groups(engine, params, items, group_size, seed, on_group=None):
 
 
 class Sender:
-  """Runs fn(job) for each submitted job, in order, on one background thread: the worker scores (the verifier
-  pool's processes), puts and acks finished groups there, so decoding never waits for a verifier or the network.
-  The queue is bounded: if sending falls `maxsize` groups behind, submit blocks (decoding waits). The first
-  exception stops the sending and is re-raised on the loop's thread by check() / submit() / close()."""
+  """Runs fn(job) for each submitted job, in order, on one background thread (the worker scores, puts and acks
+  finished groups there). The queue is bounded: if sending falls `maxsize` groups behind, submit blocks (decoding
+  waits). The first exception stops the sending and is re-raised on the loop's thread by check/submit/close()."""
 
   def __init__(self, fn, maxsize: int):
     self.fn, self.q, self.error = fn, queue.Queue(maxsize), None
@@ -370,7 +354,6 @@ class Sender:
 
 class Puller:
   """Downloads the next weight version on a background thread while the loop decodes with the current one.
-
   Double-buffered: the version in use plus at most one newer, complete version waiting to be taken, so a worker
   holds at most two versions of its weight slices (the next pull starts only after take()). pull(manifest) ->
   params or None (version gone: the next manifest is tried). take() returns (manifest, params) once a newer
@@ -544,7 +527,7 @@ def partial_of(fields, G, M, vocab):
     if not isinstance(v, list) or len(v) != G:
       raise ValueError(f"{k} must be a list of group_size={G} entries, got {type(v).__name__} "
                        f"of {len(v) if isinstance(v, list) else '-'}")
-  toks, lps, vers, done = ([], [], [], [])
+  checked = ([], [], [], [])  # tokens, log-probs, versions, done
   for i in range(G):
     t, lp, v, d = np.asarray(out[0][i]), np.asarray(out[1][i]), np.asarray(out[2][i]), out[3][i]
     if not isinstance(d, bool):
@@ -557,11 +540,9 @@ def partial_of(fields, G, M, vocab):
       raise ValueError(f"partial_logprobs[{i}] must be {len(t)} finite log-probs <= 0")
     if v.shape != t.shape or v.dtype.kind not in "iu":
       raise ValueError(f"partial_versions[{i}] must be {len(t)} integer versions")
-    toks.append(t.astype(np.int32))
-    lps.append(lp.astype(np.float32))
-    vers.append(v.astype(np.int32))
-    done.append(d)
-  return toks, lps, vers, done
+    for lst, x in zip(checked, (t.astype(np.int32), lp.astype(np.float32), v.astype(np.int32), d)):
+      lst.append(x)
+  return checked
 
 
 def fail_item(client, gid, exc, failures):
@@ -645,12 +626,9 @@ def run_worker():
   t_start = time.time()
   drain_deadline = None
   failed = []  # ids of the items that failed since the last success (reset by a success)
-  # The decode loop below only decodes and leases: the next weights download on the puller's thread, and
-  # finished groups are scored, put and acked on the sender's, each with its own connection (a long poll or
-  # a slow put on one never holds up another). window: this worker's busy fraction and rates, sent with
-  # every rollout (the trainer logs them per step in metrics.jsonl).
+  # The puller and the sender each have their own connection: a long poll or a slow put never holds up another.
   puller = Puller(_client(token), pull, version)
-  window = Window()
+  window = Window()  # this worker's busy fraction and rates, sent with every rollout
 
   def send(job):
     """Sender thread: score one finished group, put its rollout, then ack its prompt."""
@@ -735,12 +713,9 @@ def run_worker():
         logging.info("worker %s: SIGTERM, draining %d groups", wid, len(groups))
       if drain_deadline is not None and (not groups or time.time() > drain_deadline):
         break
-      # New weights between chunks, if the puller has a complete newer version; in-flight groups keep their
-      # (older) tag.
-      new = puller.take()
+      new = puller.take()  # in-flight groups keep their (older) tag
       if new:
         version, params = new[0]["version"], new[1]
-      # Refill free slots with leased prompts (none while draining).
       if drain_deadline is None and len(slots.free) >= group_size:
         # Lease only what fits now (group_size: the last group's G), so no prompt waits in a busy worker.
         t = time.time()
