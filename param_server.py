@@ -344,77 +344,48 @@ def _read_prefix_header(sock, first_deadline, header_timeout_s, max_header, on_s
   return mtype, parse_header(hb), plen
 
 
-class _Crc:
-  """Per-tensor crc32 of a buffer that is being filled front to back, computed in a helper thread.
-
-  feed(n) says the first n bytes are valid; finish() returns the list of crcs. Small buffers are done inline.
-  """
-
-  def __init__(self, buf, sizes, threaded):
-    self._mv, self._sizes = memoryview(buf).cast("B"), sizes
-    self._crcs, self._idx, self._done, self._crc = [], 0, 0, 0
-    self._ends = np.cumsum([0] + list(sizes)).tolist()[1:]
-    self._q = queue_lib.SimpleQueue() if threaded else None
-    self._thread = threading.Thread(target=self._run, daemon=True) if threaded else None
-    self._err = None
-    if self._thread:
-      self._thread.start()
-
-  def _advance(self, upto):
-    while self._idx < len(self._sizes) and self._done <= upto:
-      end = self._ends[self._idx]
-      stop = min(end, upto)
-      if stop > self._done:
-        self._crc = zlib.crc32(self._mv[self._done:stop], self._crc)
-        self._done = stop
-      if self._done == end:
-        self._crcs.append(self._crc)
-        self._idx, self._crc = self._idx + 1, 0
-      else:
-        break
-
-  def _run(self):
-    try:
-      while True:
-        upto = self._q.get()
-        if upto is None:
-          return
-        self._advance(upto)
-    except BaseException as e:  # surfaced by finish()
-      self._err = e
-
-  def feed(self, n):
-    if self._q is not None:
-      self._q.put(n)
-
-  def abort(self):
-    """Stops the helper thread without checksumming the rest (the transfer failed)."""
-    if self._thread:
-      self._q.put(None)
-      self._thread.join()
-
-  def finish(self):
-    if self._thread:
-      self._q.put(len(self._mv))
-      self._q.put(None)
-      self._thread.join()
-      if self._err:
-        raise self._err
-    else:
-      self._advance(len(self._mv))
-    return self._crcs
+def _crcs(buf, sizes):
+  """Per-tensor crc32s of a buffer holding tensors of `sizes` bytes back to back."""
+  mv, ends = memoryview(buf).cast("B"), itertools.accumulate(sizes)
+  return [zlib.crc32(mv[e - n:e]) for n, e in zip(sizes, ends)]
 
 
 def _recv_with_crcs(sock, buf, sizes, deadline, what):
-  """Fills buf from sock while per-tensor crc32s are computed alongside (threaded for big payloads); returns
-  the crcs. Both the server (push) and the client (pull) receive tensors this way."""
-  crc = _Crc(buf, sizes, threaded=len(buf) >= (4 << 20))
+  """Fills buf from sock while per-tensor crc32s are computed alongside (in a helper thread for big payloads,
+  fed the byte count received so far); returns the crcs. Both the server (push) and the client (pull) receive
+  tensors this way."""
+  mv = memoryview(buf).cast("B")
+  if len(mv) < (4 << 20):
+    _recv_into(sock, mv, deadline, what)
+    return _crcs(mv, sizes)
+  progress, crcs, err = queue_lib.SimpleQueue(), [], []
+
+  def run():
+    try:
+      start, avail = 0, 0
+      for end in itertools.accumulate(sizes):
+        crc = 0
+        while start < end:
+          while avail <= start:
+            avail = progress.get()
+            if avail is None:  # the transfer failed or ended: stop without checksumming the rest
+              return
+          stop = min(end, avail)
+          crc, start = zlib.crc32(mv[start:stop], crc), stop
+        crcs.append(crc)
+    except BaseException as e:  # surfaced below
+      err.append(e)
+
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
   try:
-    _recv_into(sock, memoryview(buf), deadline, what, crc.feed)
-  except BaseException:
-    crc.abort()
-    raise
-  return crc.finish()
+    _recv_into(sock, mv, deadline, what, progress.put)
+  finally:
+    progress.put(None)
+    thread.join()
+  if err:
+    raise err[0]
+  return crcs
 
 
 def _check_specs(specs, payload_len, what):
@@ -1149,8 +1120,8 @@ class Server:
     """When an nbytes payload must have arrived or left: header_timeout_s plus nbytes at min_rate_mb_s."""
     return time.monotonic() + self.cfg.header_timeout_s + nbytes / (self.cfg.min_rate_mb_s * 1e6)
 
-  def _ok(self, conn, header, parts=(), nbytes=0):
-    _send_frame(conn, OK, header, parts, deadline=self._deadline(nbytes))
+  def _ok(self, conn, header, parts=()):
+    _send_frame(conn, OK, header, parts, deadline=self._deadline(sum(memoryview(p).nbytes for p in parts)))
 
   def latest(self):
     """Newest visible version: a pushed one or (sharded mode) a committed manifest."""
@@ -1300,7 +1271,7 @@ class Server:
       if not self._wait(self._wcond, lambda: self._manifests and self._manifests[-1][0] > newer_than, end):
         return self._ok(conn, {"version": None})
       version, buf = self._manifests[-1]
-    self._ok(conn, {"version": version}, [buf], len(buf))
+    self._ok(conn, {"version": version}, [buf])
 
   def _fetch(self, conn, h, plen, deadline):
     """Sub-slices of staged pieces, each with its crc: a reader gets exactly the bytes its devices need."""
@@ -1309,16 +1280,13 @@ class Server:
       raise ValueError("fetch: pieces must be a list")
     with self._wcond:
       st = self._staged.get(version)
-      found = []
-      for w in want:
-        found.append((w, _staged_piece(st, w, f"fetch v{version}")[0]))
+      found = [(w, _staged_piece(st, w, f"fetch v{version}")[0]) for w in want]
     specs, parts = [], []
     for w, piece in found:
       part, crc, shape = _cut(version, piece, w.get("sub"))
       specs.append(dict(name=piece[0]["name"], dtype=piece[0]["dtype"], shape=shape, nbytes=len(part), crc=crc))
       parts.append(part)
-    self._ok(conn, {"version": version, "tensors": specs, "digest": _digest(version, specs)}, parts,
-             sum(len(p) for p in parts))
+    self._ok(conn, {"version": version, "tensors": specs, "digest": _digest(version, specs)}, parts)
 
   def _delta(self, conn, h, plen, deadline):
     """FETCH for a reader holding `base`: per piece what changed (see DELTA above), or the full bytes."""
@@ -1363,7 +1331,7 @@ class Server:
         payload = part if enc == "full" else payload
       pieces.append(dict(enc=enc, nbytes=len(payload), crc=crc, changed=changed))
       parts.append(payload)
-    self._ok(conn, {"version": version, "base": base, "pieces": pieces}, parts, sum(len(p) for p in parts))
+    self._ok(conn, {"version": version, "base": base, "pieces": pieces}, parts)
 
   def _latest(self, conn, h, plen, deadline):
     self._ok(conn, {"version": self.latest()})
@@ -1501,7 +1469,8 @@ class Server:
         out.append((i, meta, blob))
         nbytes += len(blob)
     try:
-      self._ok(conn, {"items": [dict(meta, id=i) for i, meta, _ in out]}, [b for _, _, b in out], nbytes)
+      self._ok(conn, {"items": [dict(meta, id=i) for i, meta, _ in out]}, [b for _, _, b in out])
+
     except OSError:
       with q.cond:  # the reply never left: hand the items straight back instead of waiting for lease expiry
         q.release([i for i, _, _ in out])
@@ -1625,7 +1594,7 @@ class Server:
         buf = _alloc(plen)
         if f.readinto(buf) != plen:
           raise ValueError("file is truncated")
-      crcs = _Crc(buf, sizes, threaded=False).finish()
+      crcs = _crcs(buf, sizes)
       if crcs != [s["crc"] for s in h["tensors"]] or h["digest"] != _digest(h["version"], h["tensors"]):
         raise ValueError("checksum mismatch")
       self._versions = [_Version(h["version"], h["tensors"], h["digest"], buf)]
