@@ -42,18 +42,18 @@ Design choices:
     Bounded by max_queue_items and max_queue_mb (ready + leased). Back-pressure: put waits up to wait_s for
     room, accepts what fits in order, and the client raises QueueFullError for the rest; retrying the whole
     batch is safe because accepted ids are dropped as duplicates.
-  - Persistence (--run_dir): each queue is an append-only log queue-<name>.log of PUT / ACK / FAIL / UPDATE records
-    (each with a crc32; a torn tail after a crash is cut off). A change is fsync'ed to the log before it is
-    applied in memory or answered; a failed write (ENOSPC, EIO) is cut off again and answered StorageError
+  - Persistence (--run_dir): each queue is an append-only log queue-<name>.log of PUT / ACK / FAIL / UPDATE
+    records (each with a crc32; a torn tail after a crash is cut off). A change is fsync'ed to the log before it
+    is applied in memory or answered; a failed write (ENOSPC, EIO) is cut off again and answered StorageError
     (see _Queue). Compacted at startup and when the log grows past 2x its live size (temp file + fsync +
-    rename), ready and leased items alike. Leases are not persisted: after a restart every unacked item is
-    ready again.
+    rename), ready and leased items alike. Leases are not persisted: after a restart every unacked item is ready
+    again. The newest weight version is written by a background thread to weights.bin (temp + fsync + rename;
+    same frame format as a pull reply) so a push is not slowed by disk; a crash can lose a version that was
+    still being written, which the trainer re-publishes (SPEC).
   - Failed items: FAIL counts failures per leased item; after max_failures the item is quarantined (removed,
-    recorded in the log) and a notice is put in "<queue>.failed" for the producer. The newest weight version is written by a background thread
-    to weights.bin (temp + fsync + rename; same frame format as a pull reply) so a push is not slowed by disk;
-    a crash can lose a version that was still being written, which the trainer re-publishes (SPEC).
-  - Auth: push, put, get (it leases), ack, requeue, fail and auth need the shared token (hmac.compare_digest);
-    pull, latest and stats do not. The server binds 127.0.0.1 unless told otherwise.
+    recorded in the log) and a notice is put in "<queue>.failed" for the producer.
+  - Auth: push, stage, commit, put, get (it leases), ack, requeue, fail and auth need the shared token
+    (hmac.compare_digest); the other reads do not. The server binds 127.0.0.1 unless told otherwise.
 
 Sharded mode (a pod: S shard servers, one per trainer host; the JAX side is shards.py):
   STAGE    one piece of a tensor (a trainer shard, tagged with its global slice [[start, stop], ...], version and
@@ -260,10 +260,7 @@ def _send_parts(sock, head, parts, deadline=None):
   """Sends a frame's prefix + header (_frame_head, or one prebuilt and shared) and then its payload parts."""
   mvs = [memoryview(p).cast("B") for p in parts]
   total = sum(len(m) for m in mvs)
-  if total <= 65536:  # small frames: one syscall
-    mvs = [memoryview(head + b"".join(mvs))]
-  else:
-    mvs = [memoryview(head)] + mvs
+  mvs = [memoryview(head + b"".join(mvs))] if total <= 65536 else [memoryview(head)] + mvs  # small: one syscall
   for m in mvs:
     for i in range(0, len(m), CHUNK):
       if deadline is not None:
@@ -1009,10 +1006,9 @@ class Server:
 
   def _victim(self):
     """The connection to evict when all slots are taken: an unauthenticated one (idle first, the earliest
-    accepted; then one still sending its header, then any, the longest in that state first), else an
-    authenticated one that is idle (its client reconnects transparently). None when every slot does
-    authenticated work: then "busy".
-    So no number of idle or slow anonymous connections can keep a trainer or worker out."""
+    accepted; then one still sending its header, then any, the longest in that state first), else an idle
+    authenticated one (its client reconnects transparently); None ("busy") when every slot does authenticated
+    work. So no number of idle or slow anonymous connections can keep a trainer or worker out."""
     for c in self._conns.values():  # fast path (O(1) in a flood of idle ones): dict order is accept order
       if not c.trusted and c.state == "idle":
         return c
@@ -1071,16 +1067,12 @@ class Server:
 
   def _drain(self, conn, plen, deadline):
     scratch = memoryview(bytearray(min(plen, CHUNK)))
-    left = plen
-    while left:
-      n = min(left, len(scratch))
-      _recv_into(conn, scratch[:n], deadline, "discarded payload")
-      left -= n
+    for off in range(0, plen, CHUNK):
+      _recv_into(conn, scratch[:min(CHUNK, plen - off)], deadline, "discarded payload")
 
   def _dispatch(self, c, mtype, header, plen, deadline):
-    """Checks that hold for every message type, in this order, before any payload byte is read: known type,
-    payload within its cap, and the token (for types that need it and for *any* request that carries a
-    payload): an unauthenticated payload is never received or drained; the connection is closed instead."""
+    """The checks every message type gets before any payload byte is read (see the module docstring), in this
+    order: known type, payload within its cap, token; then the handler."""
     conn = c.sock
     if mtype not in REQUEST_TYPES:
       raise ProtocolError(f"unknown message type {mtype}")
@@ -1101,10 +1093,12 @@ class Server:
         raise _AuthClose(f"{name} refused: {why} (payload not read; connection closed)")
       raise _Refused("auth", f"{name} refused: {why}")
     try:
-      handler = {PUSH: self._push, PULL: self._pull, LATEST: self._latest, PUT: self._put, GET: self._get,
-                 ACK: self._ack, REQUEUE: self._requeue, STATS: self._stats, STAGE: self._stage,
-                 STAGED: self._staged_table, COMMIT: self._commit, MANIFEST: self._manifest,
-                 FETCH: self._fetch, DELTA: self._delta, AUTH: self._auth, FAIL: self._fail}[mtype]
+      handler = {PUSH: self._push, PULL: self._pull, PUT: self._put, GET: self._get, ACK: self._ack,
+                 REQUEUE: self._requeue, STAGE: self._stage, STAGED: self._staged_table, COMMIT: self._commit,
+                 MANIFEST: self._manifest, FETCH: self._fetch, DELTA: self._delta, FAIL: self._fail,
+                 AUTH: lambda conn, *_: self._ok(conn, {"authenticated": True}),
+                 LATEST: lambda conn, *_: self._ok(conn, {"version": self.latest()}),
+                 STATS: lambda conn, *_: self._ok(conn, self.stats())}[mtype]
       handler(conn, header, plen, deadline)
     except (_Refused, ValueError, KeyError, TypeError) as e:
       if isinstance(e, ProtocolError):
@@ -1112,9 +1106,6 @@ class Server:
       if not getattr(e, "payload_read", False):
         self._drain(conn, plen, deadline)  # keep the stream in sync: the request stays refused, not stored
       raise e if isinstance(e, _Refused) else _Refused("bad_request", f"{name}: {e}") from None
-
-  def _auth(self, conn, h, plen, deadline):
-    self._ok(conn, {"authenticated": True})
 
   def _deadline(self, nbytes):
     """When an nbytes payload must have arrived or left: header_timeout_s plus nbytes at min_rate_mb_s."""
@@ -1333,9 +1324,6 @@ class Server:
       parts.append(payload)
     self._ok(conn, {"version": version, "base": base, "pieces": pieces}, parts)
 
-  def _latest(self, conn, h, plen, deadline):
-    self._ok(conn, {"version": self.latest()})
-
   def _queue(self, name, create=True):
     if not isinstance(name, str) or not _QUEUE_NAME.match(name):
       raise ValueError(f"bad queue name {name!r} (want 1-64 chars of [A-Za-z0-9_.-])")
@@ -1376,7 +1364,7 @@ class Server:
     _recv_into(conn, memoryview(payload), deadline, "put payload")
     if release:
       return self._release(conn, q, items, payload)
-    accepted, dups, rejected, seen = [], [], [], set()
+    dups, rejected, seen = [], [], set()
     cap_bytes = q.cfg.max_queue_mb * (1 << 20)
     end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
     with q.cond:
@@ -1406,18 +1394,15 @@ class Server:
       self._write(q, [q._record(1, {"id": i, "meta": meta}, blob) for i, (meta, blob) in new.items()], "put")
       q.ready.update(new)
       q.nbytes += new_bytes
-      accepted = list(new)
-      if accepted:
+      if new:
         q.cond.notify_all()
       q.maybe_compact()
-    self._ok(conn, {"accepted": accepted, "duplicates": dups, "rejected": rejected,
+    self._ok(conn, {"accepted": list(new), "duplicates": dups, "rejected": rejected,
                     "depth": len(q.ready) + len(q.leased)})
 
   def _release(self, conn, q, items, payload):
-    """PUT with release=True (Client.release): live items (leased, or ready again after their lease expired) get
-    the new contents and go to the head of the ready queue, in the order given; other ids are reported unknown:
-    release never adds an item. The new contents are logged (UPDATE record) before they replace the old, so a
-    restart re-issues the progress, not the original."""
+    """PUT with release=True (Client.release); live items include ones ready again after their lease expired.
+    The new contents are logged (UPDATE record) before they replace the old: a restart re-issues the progress."""
     with q.cond:
       new, unknown = {}, []
       for m, off, n in items:
@@ -1491,9 +1476,7 @@ class Server:
     self._ok(conn, {"acked": len(done), "unknown": unknown})
 
   def _fail(self, conn, h, plen, deadline):
-    """A worker could not process leased items: one failure each; after max_failures an item is quarantined
-    (removed for good, recorded with its reason) and a notice {"id", "queue", "reason", "failures"} is put in
-    the queue "<queue>.failed" for the producer (the trainer) to read; other failed items go back to the tail."""
+    """FAIL (see Client.fail); a quarantine notice is {"id", "queue", "reason", "failures"}."""
     q = self._queue(h.get("queue"), create=False)
     ids, reason = h.get("ids"), h.get("reason", "")
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
@@ -1555,9 +1538,6 @@ class Server:
       clients = len(self._conns)
     return {"latest_version": versions[-1] if versions else -1, "versions": versions, "weight_bytes": wbytes,
             "queues": queues, "clients": clients, "uptime_s": time.monotonic() - self._started, "delta": delta}
-
-  def _stats(self, conn, h, plen, deadline):
-    self._ok(conn, self.stats())
 
   # -- weights persistence
 
@@ -1630,9 +1610,7 @@ def _linger_close(conn, max_bytes=1 << 20, max_s=0.2):
 
 def serve(cfg: ServerConfig, port_file=None):
   """Runs a server until SIGTERM / SIGINT (then stops cleanly: pending weights write is flushed).
-
-  port_file: if set, the bound port is written there atomically once listening (useful with port=0).
-  """
+  port_file: if set, the bound port is written there atomically once listening (useful with port=0)."""
   srv = Server(cfg)
   if port_file:
     fileio.write_atomic(port_file, f"{srv.port}\n")
@@ -1687,10 +1665,8 @@ class Client:
         self._sock = None
 
   def _request(self, mtype, header, parts=(), wait_s=0.0, tensors=False):
-    """One request/reply with reconnect + exponential backoff. Returns (reply header, payload buffer).
-
-    Transport failures are retried; an ERROR reply from the server raises at once (mapped by its code).
-    """
+    """One request/reply -> (reply header, payload buffer). Transport failures are retried with exponential
+    backoff on a new connection; an ERROR reply from the server raises at once (mapped by its code)."""
     if mtype in NEEDS_TOKEN:
       if not self.token:
         raise PermissionError(f"{REQUEST_TYPES[mtype]} needs the shared token (Client(token=...))")
@@ -1772,11 +1748,8 @@ class Client:
     self._request(PUSH, {"version": version, "tensors": specs, "digest": _digest(version, specs)}, parts)
 
   def pull(self, newer_than: int = -1, wait_s: float = 0.0, version=None):
-    """Newest version > newer_than as (version, {name: array}), or None (at once, or after wait_s seconds).
-
-    With version=v returns exactly that version if the server still keeps it, else None.
-    Arrays are zero-copy views into one received buffer, checksums verified.
-    """
+    """Newest version > newer_than as (version, {name: array}), or None (at once, or after wait_s seconds);
+    with version=v exactly that version if the server still keeps it, else None. Checksums verified."""
     h, buf = self._request(PULL, {"newer_than": int(newer_than), "wait_s": float(wait_s), "version": version},
                            wait_s=wait_s, tensors=True)
     if h.get("version") is None:
@@ -1789,15 +1762,13 @@ class Client:
   # -- sharded weights (one Client per shard server; the manifest lives on the first)
 
   def stage(self, version: int, nonce: int, name: str, index, array):
-    """Stores one piece of tensor `name` (the global slice `index`: [[start, stop], ...]) for a version that
-    stays invisible until a manifest naming it is committed. Needs the token."""
+    """STAGE: one piece of tensor `name`, its global slice `index` ([[start, stop], ...]). Needs the token."""
     spec, raw = _as_wire_array(array, f"stage tensor {name!r}")
     self._request(STAGE, dict(spec, version=int(version), nonce=int(nonce), name=name,
                               index=[[int(a), int(b)] for a, b in index], crc=zlib.crc32(raw)), [raw])
 
   def staged(self, version=None, nonce=None, keep=None) -> dict:
-    """{"pieces": [{name, index, dtype, crc}] staged here for (version, nonce), "versions": [held versions]};
-    keep=[committed versions] also garbage-collects older uncommitted/unkept ones."""
+    """{"pieces": [{name, index, dtype, crc}] staged for (version, nonce), "versions": [held]}; keep: see STAGED."""
     return self._request(STAGED, {"version": version, "nonce": nonce, "keep": keep})[0]
 
   def commit(self, manifest: dict) -> list:
@@ -1821,8 +1792,7 @@ class Client:
     crc the base's manifest gives the piece at the same index). Returns per piece {"enc", "crc", "changed",
     "data"}: delta_apply(enc, data, <the reader's copy of that sub-slice of base>, itemsize), then the caller
     MUST check zlib.crc32 of the result == crc (the new version's bytes), which catches a wrong base too.
-    enc "full" (data = the new bytes) where the server holds no matching base or a delta would be larger.
-    Raises ValueError like fetch if the server no longer holds `version`."""
+    enc "full": data = the new bytes. Raises ValueError like fetch if the server no longer holds `version`."""
     h, buf = self._request(DELTA, {"version": int(version), "base": int(base), "pieces": list(pieces)})
     sizes = [p.get("nbytes") for p in h.get("pieces", [])]
     if len(sizes) != len(pieces) or not all(isinstance(n, int) and n >= 0 for n in sizes) or sum(sizes) != len(buf):
@@ -1848,9 +1818,9 @@ class Client:
     return {"accepted": len(h["accepted"]), "duplicates": h["duplicates"]}
 
   def release(self, queue: str, items) -> dict:
-    """Hands leased items back with new contents (same ids; e.g. a preempted worker's partial rollouts): each
-    replaces the stored item and is re-issued first. Ids no longer live (acked, quarantined) are not stored.
-    Returns {"released": n, "unknown": [ids]}."""
+    """Hands leased items back with new contents (same ids; e.g. a preempted worker's partial rollouts), in the
+    order given: each replaces the stored item and is re-issued first. Ids no longer live (acked, quarantined)
+    are not stored but reported unknown: release never adds an item."""
     h = self._put(queue, items, 0.0, release=True)
     return {"released": len(h["accepted"]), "unknown": h["unknown"]}
 
@@ -1899,15 +1869,13 @@ class Client:
 
   def ack(self, queue: str, ids):
     """Removes items forever (they are never delivered again, even after a server restart)."""
-    h, _ = self._request(ACK, {"queue": queue, "ids": [str(i) for i in ids]})
-    return {"acked": h["acked"], "unknown": h["unknown"]}
+    return self._request(ACK, {"queue": queue, "ids": [str(i) for i in ids]})[0]  # {"acked": n, "unknown": [ids]}
 
   def fail(self, queue: str, ids, reason: str) -> dict:
     """Reports leased items the caller could not process (reason: a short text, e.g. the exception). Each is
     re-issued (to the tail) until it failed max_failures times; then it is quarantined and a notice lands in
     the queue "<queue>.failed". Returns {"failed": [ids still leased by anyone], "quarantined": [ids]}."""
-    h, _ = self._request(FAIL, {"queue": queue, "ids": [str(i) for i in ids], "reason": str(reason)})
-    return {"failed": h["failed"], "quarantined": h["quarantined"]}
+    return self._request(FAIL, {"queue": queue, "ids": [str(i) for i in ids], "reason": str(reason)})[0]
 
   def requeue(self, queue: str, ids=None) -> int:
     """Releases outstanding leases of `queue` at once: all of them (a restarted consumer calls this at startup)
