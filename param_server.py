@@ -246,28 +246,26 @@ def _recv_into(sock, mv, deadline, what, on_progress=None):
 
 
 def _frame_head(mtype, header, payload_len):
-  """A frame's prefix + JSON header."""
   hb = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()  # the peer refuses NaN anyway
   return PREFIX.pack(MAGIC, PROTOCOL_VERSION, mtype, len(hb), payload_len) + hb
 
 
-def _send_frame(sock, mtype, header, parts=(), deadline=None):
+def _send_frame(sock, mtype, header, parts=(), *, deadline):
   """Send one frame; parts are bytes-like payload pieces sent without copying (8 MiB slices)."""
   _send_parts(sock, _frame_head(mtype, header, sum(memoryview(p).nbytes for p in parts)), parts, deadline)
 
 
-def _send_parts(sock, head, parts, deadline=None):
+def _send_parts(sock, head, parts, deadline):
   """Sends a frame's prefix + header (_frame_head, or one prebuilt and shared) and then its payload parts."""
   mvs = [memoryview(p).cast("B") for p in parts]
   total = sum(len(m) for m in mvs)
   mvs = [memoryview(head + b"".join(mvs))] if total <= 65536 else [memoryview(head)] + mvs  # small: one syscall
   for m in mvs:
     for i in range(0, len(m), CHUNK):
-      if deadline is not None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-          raise TimeoutError(f"timed out sending a {total}-byte payload")
-        sock.settimeout(left)
+      left = deadline - time.monotonic()
+      if left <= 0:
+        raise TimeoutError(f"timed out sending a {total}-byte payload")
+      sock.settimeout(left)
       sock.sendall(m[i:i + CHUNK])
 
 
@@ -631,12 +629,10 @@ DISK = _Disk()
 
 class _Queue:
   """One leased queue. All state is guarded by self.cond; the log is appended under the same lock.
-
-  Durability rule: a change is written and fsync'ed to the log *before* it is applied in memory or answered,
-  so the reply never claims more than the disk holds. A failed append is cut off again (ftruncate to the last
-  good size); if even that fails the log is marked broken and the next change first rewrites it from memory
-  (compaction), so nothing is ever appended after a torn record (the loader stops at the first bad record).
-  """
+  A change is fsync'ed to the log *before* it is applied in memory or answered (the reply never claims more than
+  the disk holds). A failed append is cut off again (ftruncate to the last good size); if even that fails the log
+  is marked broken and the next change first rewrites it from memory (compaction), so nothing is ever appended
+  after a torn record (the loader stops at the first bad record)."""
 
   def __init__(self, name, cfg):
     self.name, self.cfg = name, cfg
@@ -868,7 +864,7 @@ class Server:
     self._versions = []                         # kept _Version objects, oldest first
     self._wcond = threading.Condition()
     self._push_lock = threading.Lock()          # one push in flight bounds memory
-    self._staged = {}                           # sharded mode: version -> _Staged (this server's pieces)
+    self._staged = {}                           # sharded mode: version -> this server's pieces (see _stage)
     self._keep = set()                          # versions the coordinator said are committed (never GC'd first)
     self._manifests = []                        # sharded mode: [(version, manifest JSON bytes)], oldest first
     self._delta_builds = 0                      # sharded mode: deltas built (each once per piece, sub and base)
@@ -1108,7 +1104,7 @@ class Server:
       raise e if isinstance(e, _Refused) else _Refused("bad_request", f"{name}: {e}") from None
 
   def _deadline(self, nbytes):
-    """When an nbytes payload must have arrived or left: header_timeout_s plus nbytes at min_rate_mb_s."""
+    """When an nbytes payload must have arrived or left."""
     return time.monotonic() + self.cfg.header_timeout_s + nbytes / (self.cfg.min_rate_mb_s * 1e6)
 
   def _ok(self, conn, header, parts=()):
