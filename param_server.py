@@ -346,9 +346,8 @@ def _crcs(buf, sizes):
 
 
 def _recv_with_crcs(sock, buf, sizes, deadline, what):
-  """Fills buf from sock while per-tensor crc32s are computed alongside (in a helper thread for big payloads,
-  fed the byte count received so far); returns the crcs. Both the server (push) and the client (pull) receive
-  tensors this way."""
+  """Fills buf from sock while per-tensor crc32s are computed alongside (in a helper thread for big payloads);
+  returns the crcs. Both the server (push) and the client (pull) receive tensors this way."""
   mv = memoryview(buf).cast("B")
   if len(mv) < (4 << 20):
     _recv_into(sock, mv, deadline, what)
@@ -1205,10 +1204,8 @@ class Server:
       if st is None or st["nonce"] != nonce:  # a new publish of this version (e.g. by a restarted trainer)
         # Bounded: at most max_versions committed + 2 in progress; the oldest uncommitted ones go first.
         while len(self._staged) >= self.cfg.max_versions + 2:
-          old = min(self._staged, key=lambda v: (v in self._keep, v))
-          del self._staged[old]
-        st = self._staged[version] = {"nonce": nonce, "pieces": {}, "nbytes": 0, "deltas": {},
-                                           "delta_bytes": 0}
+          del self._staged[min(self._staged, key=lambda v: (v in self._keep, v))]
+        st = self._staged[version] = {"nonce": nonce, "pieces": {}, "nbytes": 0, "deltas": {}, "delta_bytes": 0}
       prev = st["pieces"].get((name, json.dumps(index)))
       st["nbytes"] += plen - (len(prev[2]) if prev else 0)
       st["pieces"][(name, json.dumps(index))] = (spec, index, buf)
@@ -1337,7 +1334,7 @@ class Server:
     metas = h.get("items")
     if not isinstance(metas, list):
       raise ValueError("items must be a list")
-    items, total = [], 0
+    items, total, cap_bytes = [], 0, q.cfg.max_queue_mb * (1 << 20)
     for m in metas:
       if not isinstance(m, dict) or not isinstance(m.get("id"), str) or not 0 < len(m["id"]) <= 256:
         raise ValueError(f"every item needs a non-empty str id of <= 256 chars, got {m!r:.100}")
@@ -1347,7 +1344,7 @@ class Server:
       specs = [s for v in arrays.values() for s in (v if isinstance(v, list) else [v])]
       n = sum(_check_specs(specs, sum(s.get("nbytes", 0) for s in specs if isinstance(s, dict)),
                            f"item {m['id']!r}"))
-      if n > q.cfg.max_queue_mb * (1 << 20):
+      if n > cap_bytes:
         raise ValueError(f"item {m['id']!r} is {n} bytes, more than the whole queue may hold")
       items.append((m, total, n))
       total += n
@@ -1361,7 +1358,6 @@ class Server:
     if release:
       return self._release(conn, q, items, payload)
     dups, rejected, seen = [], [], set()
-    cap_bytes = q.cfg.max_queue_mb * (1 << 20)
     end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
     with q.cond:
       new, new_bytes = {}, 0  # applied only once their records are durable
@@ -1400,12 +1396,9 @@ class Server:
     """PUT with release=True (Client.release); live items include ones ready again after their lease expired.
     The new contents are logged (UPDATE record) before they replace the old: a restart re-issues the progress."""
     with q.cond:
-      new, unknown = {}, []
-      for m, off, n in items:
-        if m["id"] in q.leased or m["id"] in q.ready:
-          new[m["id"]] = _stored(m, payload, off, n)
-        else:
-          unknown.append(m["id"])
+      new = {m["id"]: _stored(m, payload, off, n) for m, off, n in items
+             if m["id"] in q.leased or m["id"] in q.ready}
+      unknown = [m["id"] for m, _, _ in items if m["id"] not in new]
       self._write(q, [q._record(4, {"id": i, "meta": meta}, blob) for i, (meta, blob) in new.items()], "release")
       for i, item in reversed(new.items()):
         q.replace(i, *item)
@@ -1451,7 +1444,6 @@ class Server:
         nbytes += len(blob)
     try:
       self._ok(conn, {"items": [dict(meta, id=i) for i, meta, _ in out]}, [b for _, _, b in out])
-
     except OSError:
       with q.cond:  # the reply never left: hand the items straight back instead of waiting for lease expiry
         q.release([i for i, _, _ in out])
@@ -1501,11 +1493,8 @@ class Server:
       return
     nq = self._queue(name)
     with nq.cond:
-      new = {}
-      for i in ids:
-        if not nq.known(i):
-          js = {"queue": q.name, "reason": reason, "failures": q.failures.get(i, 0) + 1}
-          new[i] = ({"json": js, "arrays": {}, "nbytes": 0}, b"")
+      new = {i: ({"json": {"queue": q.name, "reason": reason, "failures": q.failures.get(i, 0) + 1},
+                  "arrays": {}, "nbytes": 0}, b"") for i in ids if not nq.known(i)}
       self._write(nq, [nq._record(1, {"id": i, "meta": m}, b) for i, (m, b) in new.items()], "fail notice")
       nq.ready.update(new)
       nq.cond.notify_all()
@@ -1793,11 +1782,9 @@ class Client:
     sizes = [p.get("nbytes") for p in h.get("pieces", [])]
     if len(sizes) != len(pieces) or not all(isinstance(n, int) and n >= 0 for n in sizes) or sum(sizes) != len(buf):
       raise ProtocolError(f"delta reply: piece sizes {sizes[:8]} do not add up to the {len(buf)}-byte payload")
-    out, off, mv = [], 0, memoryview(buf)
-    for p, n in zip(h["pieces"], sizes):
-      out.append(dict(enc=p["enc"], crc=p["crc"], changed=p["changed"], data=mv[off:off + n]))
-      off += n
-    return out
+    mv = memoryview(buf)
+    return [dict(enc=p["enc"], crc=p["crc"], changed=p["changed"], data=mv[end - n:end])
+            for p, n, end in zip(h["pieces"], sizes, itertools.accumulate(sizes))]
 
   def stats(self) -> dict:
     return self._request(STATS, {})[0]
