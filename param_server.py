@@ -1559,8 +1559,7 @@ class Server:
         buf = _alloc(plen)
         if f.readinto(buf) != plen:
           raise ValueError("file is truncated")
-      crcs = _crcs(buf, sizes)
-      if crcs != [s["crc"] for s in h["tensors"]] or h["digest"] != _digest(h["version"], h["tensors"]):
+      if _crcs(buf, sizes) != [s["crc"] for s in h["tensors"]] or h["digest"] != _digest(h["version"], h["tensors"]):
         raise ValueError("checksum mismatch")
       self._versions = [_Version(h["version"], h["tensors"], h["digest"], buf)]
       log.info("loaded weights v%d (%d bytes) from %s", h["version"], plen, path)
