@@ -42,18 +42,18 @@ Design choices:
     Bounded by max_queue_items and max_queue_mb (ready + leased). Back-pressure: put waits up to wait_s for
     room, accepts what fits in order, and the client raises QueueFullError for the rest; retrying the whole
     batch is safe because accepted ids are dropped as duplicates.
-  - Persistence (--run_dir): each queue is an append-only log queue-<name>.log of PUT / ACK / FAIL / UPDATE records
-    (each with a crc32; a torn tail after a crash is cut off). A change is fsync'ed to the log before it is
-    applied in memory or answered; a failed write (ENOSPC, EIO) is cut off again and answered StorageError
+  - Persistence (--run_dir): each queue is an append-only log queue-<name>.log of PUT / ACK / FAIL / UPDATE
+    records (each with a crc32; a torn tail after a crash is cut off). A change is fsync'ed to the log before it
+    is applied in memory or answered; a failed write (ENOSPC, EIO) is cut off again and answered StorageError
     (see _Queue). Compacted at startup and when the log grows past 2x its live size (temp file + fsync +
-    rename), ready and leased items alike. Leases are not persisted: after a restart every unacked item is
-    ready again.
+    rename), ready and leased items alike. Leases are not persisted: after a restart every unacked item is ready
+    again. The newest weight version is written by a background thread to weights.bin (temp + fsync + rename;
+    same frame format as a pull reply) so a push is not slowed by disk; a crash can lose a version that was
+    still being written, which the trainer re-publishes (SPEC).
   - Failed items: FAIL counts failures per leased item; after max_failures the item is quarantined (removed,
-    recorded in the log) and a notice is put in "<queue>.failed" for the producer. The newest weight version is written by a background thread
-    to weights.bin (temp + fsync + rename; same frame format as a pull reply) so a push is not slowed by disk;
-    a crash can lose a version that was still being written, which the trainer re-publishes (SPEC).
-  - Auth: push, put, get (it leases), ack, requeue, fail and auth need the shared token (hmac.compare_digest);
-    pull, latest and stats do not. The server binds 127.0.0.1 unless told otherwise.
+    recorded in the log) and a notice is put in "<queue>.failed" for the producer.
+  - Auth: push, stage, commit, put, get (it leases), ack, requeue, fail and auth need the shared token
+    (hmac.compare_digest); the other reads do not. The server binds 127.0.0.1 unless told otherwise.
 
 Sharded mode (a pod: S shard servers, one per trainer host; the JAX side is shards.py):
   STAGE    one piece of a tensor (a trainer shard, tagged with its global slice [[start, stop], ...], version and
@@ -246,31 +246,26 @@ def _recv_into(sock, mv, deadline, what, on_progress=None):
 
 
 def _frame_head(mtype, header, payload_len):
-  """A frame's prefix + JSON header."""
   hb = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()  # the peer refuses NaN anyway
   return PREFIX.pack(MAGIC, PROTOCOL_VERSION, mtype, len(hb), payload_len) + hb
 
 
-def _send_frame(sock, mtype, header, parts=(), deadline=None):
+def _send_frame(sock, mtype, header, parts=(), *, deadline):
   """Send one frame; parts are bytes-like payload pieces sent without copying (8 MiB slices)."""
   _send_parts(sock, _frame_head(mtype, header, sum(memoryview(p).nbytes for p in parts)), parts, deadline)
 
 
-def _send_parts(sock, head, parts, deadline=None):
+def _send_parts(sock, head, parts, deadline):
   """Sends a frame's prefix + header (_frame_head, or one prebuilt and shared) and then its payload parts."""
   mvs = [memoryview(p).cast("B") for p in parts]
   total = sum(len(m) for m in mvs)
-  if total <= 65536:  # small frames: one syscall
-    mvs = [memoryview(head + b"".join(mvs))]
-  else:
-    mvs = [memoryview(head)] + mvs
+  mvs = [memoryview(head + b"".join(mvs))] if total <= 65536 else [memoryview(head)] + mvs  # small: one syscall
   for m in mvs:
     for i in range(0, len(m), CHUNK):
-      if deadline is not None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-          raise TimeoutError(f"timed out sending a {total}-byte payload")
-        sock.settimeout(left)
+      left = deadline - time.monotonic()
+      if left <= 0:
+        raise TimeoutError(f"timed out sending a {total}-byte payload")
+      sock.settimeout(left)
       sock.sendall(m[i:i + CHUNK])
 
 
@@ -344,77 +339,47 @@ def _read_prefix_header(sock, first_deadline, header_timeout_s, max_header, on_s
   return mtype, parse_header(hb), plen
 
 
-class _Crc:
-  """Per-tensor crc32 of a buffer that is being filled front to back, computed in a helper thread.
-
-  feed(n) says the first n bytes are valid; finish() returns the list of crcs. Small buffers are done inline.
-  """
-
-  def __init__(self, buf, sizes, threaded):
-    self._mv, self._sizes = memoryview(buf).cast("B"), sizes
-    self._crcs, self._idx, self._done, self._crc = [], 0, 0, 0
-    self._ends = np.cumsum([0] + list(sizes)).tolist()[1:]
-    self._q = queue_lib.SimpleQueue() if threaded else None
-    self._thread = threading.Thread(target=self._run, daemon=True) if threaded else None
-    self._err = None
-    if self._thread:
-      self._thread.start()
-
-  def _advance(self, upto):
-    while self._idx < len(self._sizes) and self._done <= upto:
-      end = self._ends[self._idx]
-      stop = min(end, upto)
-      if stop > self._done:
-        self._crc = zlib.crc32(self._mv[self._done:stop], self._crc)
-        self._done = stop
-      if self._done == end:
-        self._crcs.append(self._crc)
-        self._idx, self._crc = self._idx + 1, 0
-      else:
-        break
-
-  def _run(self):
-    try:
-      while True:
-        upto = self._q.get()
-        if upto is None:
-          return
-        self._advance(upto)
-    except BaseException as e:  # surfaced by finish()
-      self._err = e
-
-  def feed(self, n):
-    if self._q is not None:
-      self._q.put(n)
-
-  def abort(self):
-    """Stops the helper thread without checksumming the rest (the transfer failed)."""
-    if self._thread:
-      self._q.put(None)
-      self._thread.join()
-
-  def finish(self):
-    if self._thread:
-      self._q.put(len(self._mv))
-      self._q.put(None)
-      self._thread.join()
-      if self._err:
-        raise self._err
-    else:
-      self._advance(len(self._mv))
-    return self._crcs
+def _crcs(buf, sizes):
+  """Per-tensor crc32s of a buffer holding tensors of `sizes` bytes back to back."""
+  mv, ends = memoryview(buf).cast("B"), itertools.accumulate(sizes)
+  return [zlib.crc32(mv[e - n:e]) for n, e in zip(sizes, ends)]
 
 
 def _recv_with_crcs(sock, buf, sizes, deadline, what):
-  """Fills buf from sock while per-tensor crc32s are computed alongside (threaded for big payloads); returns
-  the crcs. Both the server (push) and the client (pull) receive tensors this way."""
-  crc = _Crc(buf, sizes, threaded=len(buf) >= (4 << 20))
+  """Fills buf from sock while per-tensor crc32s are computed alongside (in a helper thread for big payloads);
+  returns the crcs. Both the server (push) and the client (pull) receive tensors this way."""
+  mv = memoryview(buf).cast("B")
+  if len(mv) < (4 << 20):
+    _recv_into(sock, mv, deadline, what)
+    return _crcs(mv, sizes)
+  progress, crcs, err = queue_lib.SimpleQueue(), [], []
+
+  def run():
+    try:
+      start, avail = 0, 0
+      for end in itertools.accumulate(sizes):
+        crc = 0
+        while start < end:
+          while avail <= start:
+            avail = progress.get()
+            if avail is None:  # the transfer failed or ended: stop without checksumming the rest
+              return
+          stop = min(end, avail)
+          crc, start = zlib.crc32(mv[start:stop], crc), stop
+        crcs.append(crc)
+    except BaseException as e:  # surfaced below
+      err.append(e)
+
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
   try:
-    _recv_into(sock, memoryview(buf), deadline, what, crc.feed)
-  except BaseException:
-    crc.abort()
-    raise
-  return crc.finish()
+    _recv_into(sock, mv, deadline, what, progress.put)
+  finally:
+    progress.put(None)
+    thread.join()
+  if err:
+    raise err[0]
+  return crcs
 
 
 def _check_specs(specs, payload_len, what):
@@ -663,12 +628,10 @@ DISK = _Disk()
 
 class _Queue:
   """One leased queue. All state is guarded by self.cond; the log is appended under the same lock.
-
-  Durability rule: a change is written and fsync'ed to the log *before* it is applied in memory or answered,
-  so the reply never claims more than the disk holds. A failed append is cut off again (ftruncate to the last
-  good size); if even that fails the log is marked broken and the next change first rewrites it from memory
-  (compaction), so nothing is ever appended after a torn record (the loader stops at the first bad record).
-  """
+  A change is fsync'ed to the log *before* it is applied in memory or answered (the reply never claims more than
+  the disk holds). A failed append is cut off again (ftruncate to the last good size); if even that fails the log
+  is marked broken and the next change first rewrites it from memory (compaction), so nothing is ever appended
+  after a torn record (the loader stops at the first bad record)."""
 
   def __init__(self, name, cfg):
     self.name, self.cfg = name, cfg
@@ -900,7 +863,7 @@ class Server:
     self._versions = []                         # kept _Version objects, oldest first
     self._wcond = threading.Condition()
     self._push_lock = threading.Lock()          # one push in flight bounds memory
-    self._staged = {}                           # sharded mode: version -> _Staged (this server's pieces)
+    self._staged = {}                           # sharded mode: version -> this server's pieces (see _stage)
     self._keep = set()                          # versions the coordinator said are committed (never GC'd first)
     self._manifests = []                        # sharded mode: [(version, manifest JSON bytes)], oldest first
     self._delta_builds = 0                      # sharded mode: deltas built (each once per piece, sub and base)
@@ -1038,10 +1001,9 @@ class Server:
 
   def _victim(self):
     """The connection to evict when all slots are taken: an unauthenticated one (idle first, the earliest
-    accepted; then one still sending its header, then any, the longest in that state first), else an
-    authenticated one that is idle (its client reconnects transparently). None when every slot does
-    authenticated work: then "busy".
-    So no number of idle or slow anonymous connections can keep a trainer or worker out."""
+    accepted; then one still sending its header, then any, the longest in that state first), else an idle
+    authenticated one (its client reconnects transparently); None ("busy") when every slot does authenticated
+    work. So no number of idle or slow anonymous connections can keep a trainer or worker out."""
     for c in self._conns.values():  # fast path (O(1) in a flood of idle ones): dict order is accept order
       if not c.trusted and c.state == "idle":
         return c
@@ -1100,16 +1062,12 @@ class Server:
 
   def _drain(self, conn, plen, deadline):
     scratch = memoryview(bytearray(min(plen, CHUNK)))
-    left = plen
-    while left:
-      n = min(left, len(scratch))
-      _recv_into(conn, scratch[:n], deadline, "discarded payload")
-      left -= n
+    for off in range(0, plen, CHUNK):
+      _recv_into(conn, scratch[:min(CHUNK, plen - off)], deadline, "discarded payload")
 
   def _dispatch(self, c, mtype, header, plen, deadline):
-    """Checks that hold for every message type, in this order, before any payload byte is read: known type,
-    payload within its cap, and the token (for types that need it and for *any* request that carries a
-    payload): an unauthenticated payload is never received or drained; the connection is closed instead."""
+    """The checks every message type gets before any payload byte is read (see the module docstring), in this
+    order: known type, payload within its cap, token; then the handler."""
     conn = c.sock
     if mtype not in REQUEST_TYPES:
       raise ProtocolError(f"unknown message type {mtype}")
@@ -1130,10 +1088,12 @@ class Server:
         raise _AuthClose(f"{name} refused: {why} (payload not read; connection closed)")
       raise _Refused("auth", f"{name} refused: {why}")
     try:
-      handler = {PUSH: self._push, PULL: self._pull, LATEST: self._latest, PUT: self._put, GET: self._get,
-                 ACK: self._ack, REQUEUE: self._requeue, STATS: self._stats, STAGE: self._stage,
-                 STAGED: self._staged_table, COMMIT: self._commit, MANIFEST: self._manifest,
-                 FETCH: self._fetch, DELTA: self._delta, AUTH: self._auth, FAIL: self._fail}[mtype]
+      handler = {PUSH: self._push, PULL: self._pull, PUT: self._put, GET: self._get, ACK: self._ack,
+                 REQUEUE: self._requeue, STAGE: self._stage, STAGED: self._staged_table, COMMIT: self._commit,
+                 MANIFEST: self._manifest, FETCH: self._fetch, DELTA: self._delta, FAIL: self._fail,
+                 AUTH: lambda conn, *_: self._ok(conn, {"authenticated": True}),
+                 LATEST: lambda conn, *_: self._ok(conn, {"version": self.latest()}),
+                 STATS: lambda conn, *_: self._ok(conn, self.stats())}[mtype]
       handler(conn, header, plen, deadline)
     except (_Refused, ValueError, KeyError, TypeError) as e:
       if isinstance(e, ProtocolError):
@@ -1142,15 +1102,12 @@ class Server:
         self._drain(conn, plen, deadline)  # keep the stream in sync: the request stays refused, not stored
       raise e if isinstance(e, _Refused) else _Refused("bad_request", f"{name}: {e}") from None
 
-  def _auth(self, conn, h, plen, deadline):
-    self._ok(conn, {"authenticated": True})
-
   def _deadline(self, nbytes):
-    """When an nbytes payload must have arrived or left: header_timeout_s plus nbytes at min_rate_mb_s."""
+    """When an nbytes payload must have arrived or left."""
     return time.monotonic() + self.cfg.header_timeout_s + nbytes / (self.cfg.min_rate_mb_s * 1e6)
 
-  def _ok(self, conn, header, parts=(), nbytes=0):
-    _send_frame(conn, OK, header, parts, deadline=self._deadline(nbytes))
+  def _ok(self, conn, header, parts=()):
+    _send_frame(conn, OK, header, parts, deadline=self._deadline(sum(memoryview(p).nbytes for p in parts)))
 
   def latest(self):
     """Newest visible version: a pushed one or (sharded mode) a committed manifest."""
@@ -1247,10 +1204,8 @@ class Server:
       if st is None or st["nonce"] != nonce:  # a new publish of this version (e.g. by a restarted trainer)
         # Bounded: at most max_versions committed + 2 in progress; the oldest uncommitted ones go first.
         while len(self._staged) >= self.cfg.max_versions + 2:
-          old = min(self._staged, key=lambda v: (v in self._keep, v))
-          del self._staged[old]
-        st = self._staged[version] = {"nonce": nonce, "pieces": {}, "nbytes": 0, "deltas": {},
-                                           "delta_bytes": 0}
+          del self._staged[min(self._staged, key=lambda v: (v in self._keep, v))]
+        st = self._staged[version] = {"nonce": nonce, "pieces": {}, "nbytes": 0, "deltas": {}, "delta_bytes": 0}
       prev = st["pieces"].get((name, json.dumps(index)))
       st["nbytes"] += plen - (len(prev[2]) if prev else 0)
       st["pieces"][(name, json.dumps(index))] = (spec, index, buf)
@@ -1300,7 +1255,7 @@ class Server:
       if not self._wait(self._wcond, lambda: self._manifests and self._manifests[-1][0] > newer_than, end):
         return self._ok(conn, {"version": None})
       version, buf = self._manifests[-1]
-    self._ok(conn, {"version": version}, [buf], len(buf))
+    self._ok(conn, {"version": version}, [buf])
 
   def _fetch(self, conn, h, plen, deadline):
     """Sub-slices of staged pieces, each with its crc: a reader gets exactly the bytes its devices need."""
@@ -1309,16 +1264,13 @@ class Server:
       raise ValueError("fetch: pieces must be a list")
     with self._wcond:
       st = self._staged.get(version)
-      found = []
-      for w in want:
-        found.append((w, _staged_piece(st, w, f"fetch v{version}")[0]))
+      found = [(w, _staged_piece(st, w, f"fetch v{version}")[0]) for w in want]
     specs, parts = [], []
     for w, piece in found:
       part, crc, shape = _cut(version, piece, w.get("sub"))
       specs.append(dict(name=piece[0]["name"], dtype=piece[0]["dtype"], shape=shape, nbytes=len(part), crc=crc))
       parts.append(part)
-    self._ok(conn, {"version": version, "tensors": specs, "digest": _digest(version, specs)}, parts,
-             sum(len(p) for p in parts))
+    self._ok(conn, {"version": version, "tensors": specs, "digest": _digest(version, specs)}, parts)
 
   def _delta(self, conn, h, plen, deadline):
     """FETCH for a reader holding `base`: per piece what changed (see DELTA above), or the full bytes."""
@@ -1363,10 +1315,7 @@ class Server:
         payload = part if enc == "full" else payload
       pieces.append(dict(enc=enc, nbytes=len(payload), crc=crc, changed=changed))
       parts.append(payload)
-    self._ok(conn, {"version": version, "base": base, "pieces": pieces}, parts, sum(len(p) for p in parts))
-
-  def _latest(self, conn, h, plen, deadline):
-    self._ok(conn, {"version": self.latest()})
+    self._ok(conn, {"version": version, "base": base, "pieces": pieces}, parts)
 
   def _queue(self, name, create=True):
     if not isinstance(name, str) or not _QUEUE_NAME.match(name):
@@ -1385,7 +1334,7 @@ class Server:
     metas = h.get("items")
     if not isinstance(metas, list):
       raise ValueError("items must be a list")
-    items, total = [], 0
+    items, total, cap_bytes = [], 0, q.cfg.max_queue_mb * (1 << 20)
     for m in metas:
       if not isinstance(m, dict) or not isinstance(m.get("id"), str) or not 0 < len(m["id"]) <= 256:
         raise ValueError(f"every item needs a non-empty str id of <= 256 chars, got {m!r:.100}")
@@ -1395,7 +1344,7 @@ class Server:
       specs = [s for v in arrays.values() for s in (v if isinstance(v, list) else [v])]
       n = sum(_check_specs(specs, sum(s.get("nbytes", 0) for s in specs if isinstance(s, dict)),
                            f"item {m['id']!r}"))
-      if n > q.cfg.max_queue_mb * (1 << 20):
+      if n > cap_bytes:
         raise ValueError(f"item {m['id']!r} is {n} bytes, more than the whole queue may hold")
       items.append((m, total, n))
       total += n
@@ -1408,8 +1357,7 @@ class Server:
     _recv_into(conn, memoryview(payload), deadline, "put payload")
     if release:
       return self._release(conn, q, items, payload)
-    accepted, dups, rejected, seen = [], [], [], set()
-    cap_bytes = q.cfg.max_queue_mb * (1 << 20)
+    dups, rejected, seen = [], [], set()
     end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
     with q.cond:
       new, new_bytes = {}, 0  # applied only once their records are durable
@@ -1438,25 +1386,19 @@ class Server:
       self._write(q, [q._record(1, {"id": i, "meta": meta}, blob) for i, (meta, blob) in new.items()], "put")
       q.ready.update(new)
       q.nbytes += new_bytes
-      accepted = list(new)
-      if accepted:
+      if new:
         q.cond.notify_all()
       q.maybe_compact()
-    self._ok(conn, {"accepted": accepted, "duplicates": dups, "rejected": rejected,
+    self._ok(conn, {"accepted": list(new), "duplicates": dups, "rejected": rejected,
                     "depth": len(q.ready) + len(q.leased)})
 
   def _release(self, conn, q, items, payload):
-    """PUT with release=True (Client.release): live items (leased, or ready again after their lease expired) get
-    the new contents and go to the head of the ready queue, in the order given; other ids are reported unknown:
-    release never adds an item. The new contents are logged (UPDATE record) before they replace the old, so a
-    restart re-issues the progress, not the original."""
+    """PUT with release=True (Client.release); live items include ones ready again after their lease expired.
+    The new contents are logged (UPDATE record) before they replace the old: a restart re-issues the progress."""
     with q.cond:
-      new, unknown = {}, []
-      for m, off, n in items:
-        if m["id"] in q.leased or m["id"] in q.ready:
-          new[m["id"]] = _stored(m, payload, off, n)
-        else:
-          unknown.append(m["id"])
+      new = {m["id"]: _stored(m, payload, off, n) for m, off, n in items
+             if m["id"] in q.leased or m["id"] in q.ready}
+      unknown = [m["id"] for m, _, _ in items if m["id"] not in new]
       self._write(q, [q._record(4, {"id": i, "meta": meta}, blob) for i, (meta, blob) in new.items()], "release")
       for i, item in reversed(new.items()):
         q.replace(i, *item)
@@ -1501,7 +1443,7 @@ class Server:
         out.append((i, meta, blob))
         nbytes += len(blob)
     try:
-      self._ok(conn, {"items": [dict(meta, id=i) for i, meta, _ in out]}, [b for _, _, b in out], nbytes)
+      self._ok(conn, {"items": [dict(meta, id=i) for i, meta, _ in out]}, [b for _, _, b in out])
     except OSError:
       with q.cond:  # the reply never left: hand the items straight back instead of waiting for lease expiry
         q.release([i for i, _, _ in out])
@@ -1522,9 +1464,7 @@ class Server:
     self._ok(conn, {"acked": len(done), "unknown": unknown})
 
   def _fail(self, conn, h, plen, deadline):
-    """A worker could not process leased items: one failure each; after max_failures an item is quarantined
-    (removed for good, recorded with its reason) and a notice {"id", "queue", "reason", "failures"} is put in
-    the queue "<queue>.failed" for the producer (the trainer) to read; other failed items go back to the tail."""
+    """FAIL (see Client.fail); a quarantine notice is {"id", "queue", "reason", "failures"}."""
     q = self._queue(h.get("queue"), create=False)
     ids, reason = h.get("ids"), h.get("reason", "")
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
@@ -1553,11 +1493,8 @@ class Server:
       return
     nq = self._queue(name)
     with nq.cond:
-      new = {}
-      for i in ids:
-        if not nq.known(i):
-          js = {"queue": q.name, "reason": reason, "failures": q.failures.get(i, 0) + 1}
-          new[i] = ({"json": js, "arrays": {}, "nbytes": 0}, b"")
+      new = {i: ({"json": {"queue": q.name, "reason": reason, "failures": q.failures.get(i, 0) + 1},
+                  "arrays": {}, "nbytes": 0}, b"") for i in ids if not nq.known(i)}
       self._write(nq, [nq._record(1, {"id": i, "meta": m}, b) for i, (m, b) in new.items()], "fail notice")
       nq.ready.update(new)
       nq.cond.notify_all()
@@ -1586,9 +1523,6 @@ class Server:
       clients = len(self._conns)
     return {"latest_version": versions[-1] if versions else -1, "versions": versions, "weight_bytes": wbytes,
             "queues": queues, "clients": clients, "uptime_s": time.monotonic() - self._started, "delta": delta}
-
-  def _stats(self, conn, h, plen, deadline):
-    self._ok(conn, self.stats())
 
   # -- weights persistence
 
@@ -1625,8 +1559,7 @@ class Server:
         buf = _alloc(plen)
         if f.readinto(buf) != plen:
           raise ValueError("file is truncated")
-      crcs = _Crc(buf, sizes, threaded=False).finish()
-      if crcs != [s["crc"] for s in h["tensors"]] or h["digest"] != _digest(h["version"], h["tensors"]):
+      if _crcs(buf, sizes) != [s["crc"] for s in h["tensors"]] or h["digest"] != _digest(h["version"], h["tensors"]):
         raise ValueError("checksum mismatch")
       self._versions = [_Version(h["version"], h["tensors"], h["digest"], buf)]
       log.info("loaded weights v%d (%d bytes) from %s", h["version"], plen, path)
@@ -1661,9 +1594,7 @@ def _linger_close(conn, max_bytes=1 << 20, max_s=0.2):
 
 def serve(cfg: ServerConfig, port_file=None):
   """Runs a server until SIGTERM / SIGINT (then stops cleanly: pending weights write is flushed).
-
-  port_file: if set, the bound port is written there atomically once listening (useful with port=0).
-  """
+  port_file: if set, the bound port is written there atomically once listening (useful with port=0)."""
   srv = Server(cfg)
   if port_file:
     fileio.write_atomic(port_file, f"{srv.port}\n")
@@ -1718,10 +1649,8 @@ class Client:
         self._sock = None
 
   def _request(self, mtype, header, parts=(), wait_s=0.0, tensors=False):
-    """One request/reply with reconnect + exponential backoff. Returns (reply header, payload buffer).
-
-    Transport failures are retried; an ERROR reply from the server raises at once (mapped by its code).
-    """
+    """One request/reply -> (reply header, payload buffer). Transport failures are retried with exponential
+    backoff on a new connection; an ERROR reply from the server raises at once (mapped by its code)."""
     if mtype in NEEDS_TOKEN:
       if not self.token:
         raise PermissionError(f"{REQUEST_TYPES[mtype]} needs the shared token (Client(token=...))")
@@ -1803,11 +1732,8 @@ class Client:
     self._request(PUSH, {"version": version, "tensors": specs, "digest": _digest(version, specs)}, parts)
 
   def pull(self, newer_than: int = -1, wait_s: float = 0.0, version=None):
-    """Newest version > newer_than as (version, {name: array}), or None (at once, or after wait_s seconds).
-
-    With version=v returns exactly that version if the server still keeps it, else None.
-    Arrays are zero-copy views into one received buffer, checksums verified.
-    """
+    """Newest version > newer_than as (version, {name: array}), or None (at once, or after wait_s seconds);
+    with version=v exactly that version if the server still keeps it, else None. Checksums verified."""
     h, buf = self._request(PULL, {"newer_than": int(newer_than), "wait_s": float(wait_s), "version": version},
                            wait_s=wait_s, tensors=True)
     if h.get("version") is None:
@@ -1820,15 +1746,13 @@ class Client:
   # -- sharded weights (one Client per shard server; the manifest lives on the first)
 
   def stage(self, version: int, nonce: int, name: str, index, array):
-    """Stores one piece of tensor `name` (the global slice `index`: [[start, stop], ...]) for a version that
-    stays invisible until a manifest naming it is committed. Needs the token."""
+    """STAGE: one piece of tensor `name`, its global slice `index` ([[start, stop], ...]). Needs the token."""
     spec, raw = _as_wire_array(array, f"stage tensor {name!r}")
     self._request(STAGE, dict(spec, version=int(version), nonce=int(nonce), name=name,
                               index=[[int(a), int(b)] for a, b in index], crc=zlib.crc32(raw)), [raw])
 
   def staged(self, version=None, nonce=None, keep=None) -> dict:
-    """{"pieces": [{name, index, dtype, crc}] staged here for (version, nonce), "versions": [held versions]};
-    keep=[committed versions] also garbage-collects older uncommitted/unkept ones."""
+    """{"pieces": [{name, index, dtype, crc}] staged for (version, nonce), "versions": [held]}; keep: see STAGED."""
     return self._request(STAGED, {"version": version, "nonce": nonce, "keep": keep})[0]
 
   def commit(self, manifest: dict) -> list:
@@ -1852,17 +1776,14 @@ class Client:
     crc the base's manifest gives the piece at the same index). Returns per piece {"enc", "crc", "changed",
     "data"}: delta_apply(enc, data, <the reader's copy of that sub-slice of base>, itemsize), then the caller
     MUST check zlib.crc32 of the result == crc (the new version's bytes), which catches a wrong base too.
-    enc "full" (data = the new bytes) where the server holds no matching base or a delta would be larger.
-    Raises ValueError like fetch if the server no longer holds `version`."""
+    enc "full": data = the new bytes. Raises ValueError like fetch if the server no longer holds `version`."""
     h, buf = self._request(DELTA, {"version": int(version), "base": int(base), "pieces": list(pieces)})
     sizes = [p.get("nbytes") for p in h.get("pieces", [])]
     if len(sizes) != len(pieces) or not all(isinstance(n, int) and n >= 0 for n in sizes) or sum(sizes) != len(buf):
       raise ProtocolError(f"delta reply: piece sizes {sizes[:8]} do not add up to the {len(buf)}-byte payload")
-    out, off, mv = [], 0, memoryview(buf)
-    for p, n in zip(h["pieces"], sizes):
-      out.append(dict(enc=p["enc"], crc=p["crc"], changed=p["changed"], data=mv[off:off + n]))
-      off += n
-    return out
+    mv = memoryview(buf)
+    return [dict(enc=p["enc"], crc=p["crc"], changed=p["changed"], data=mv[end - n:end])
+            for p, n, end in zip(h["pieces"], sizes, itertools.accumulate(sizes))]
 
   def stats(self) -> dict:
     return self._request(STATS, {})[0]
@@ -1879,9 +1800,9 @@ class Client:
     return {"accepted": len(h["accepted"]), "duplicates": h["duplicates"]}
 
   def release(self, queue: str, items) -> dict:
-    """Hands leased items back with new contents (same ids; e.g. a preempted worker's partial rollouts): each
-    replaces the stored item and is re-issued first. Ids no longer live (acked, quarantined) are not stored.
-    Returns {"released": n, "unknown": [ids]}."""
+    """Hands leased items back with new contents (same ids; e.g. a preempted worker's partial rollouts), in the
+    order given: each replaces the stored item and is re-issued first. Ids no longer live (acked, quarantined)
+    are not stored but reported unknown: release never adds an item."""
     h = self._put(queue, items, 0.0, release=True)
     return {"released": len(h["accepted"]), "unknown": h["unknown"]}
 
@@ -1930,15 +1851,13 @@ class Client:
 
   def ack(self, queue: str, ids):
     """Removes items forever (they are never delivered again, even after a server restart)."""
-    h, _ = self._request(ACK, {"queue": queue, "ids": [str(i) for i in ids]})
-    return {"acked": h["acked"], "unknown": h["unknown"]}
+    return self._request(ACK, {"queue": queue, "ids": [str(i) for i in ids]})[0]  # {"acked": n, "unknown": [ids]}
 
   def fail(self, queue: str, ids, reason: str) -> dict:
     """Reports leased items the caller could not process (reason: a short text, e.g. the exception). Each is
     re-issued (to the tail) until it failed max_failures times; then it is quarantined and a notice lands in
     the queue "<queue>.failed". Returns {"failed": [ids still leased by anyone], "quarantined": [ids]}."""
-    h, _ = self._request(FAIL, {"queue": queue, "ids": [str(i) for i in ids], "reason": str(reason)})
-    return {"failed": h["failed"], "quarantined": h["quarantined"]}
+    return self._request(FAIL, {"queue": queue, "ids": [str(i) for i in ids], "reason": str(reason)})[0]
 
   def requeue(self, queue: str, ids=None) -> int:
     """Releases outstanding leases of `queue` at once: all of them (a restarted consumer calls this at startup)
