@@ -52,8 +52,8 @@ Design choices:
     still being written, which the trainer re-publishes (SPEC).
   - Failed items: FAIL counts failures per leased item; after max_failures the item is quarantined (removed,
     recorded in the log) and a notice is put in "<queue>.failed" for the producer.
-  - Auth: push, stage, commit, put, get (it leases), ack, requeue, fail and auth need the shared token
-    (hmac.compare_digest); the other reads do not. The server binds 127.0.0.1 unless told otherwise.
+  - Auth: push, stage, commit, staged with keep (it collects versions), put, get (it leases), ack, requeue, fail
+    and auth need the shared token (hmac.compare_digest); the other reads do not. The server binds 127.0.0.1 unless told otherwise.
 
 Sharded mode (a pod: S shard servers, one per trainer host; the JAX side is shards.py):
   STAGE    one piece of a tensor (a trainer shard, tagged with its global slice [[start, stop], ...], version and
@@ -1082,7 +1082,9 @@ class Server:
     if tok is not None and self.cfg.token is not None and isinstance(tok, str) and hmac.compare_digest(
         tok.encode(), self.cfg.token.encode()):
       c.trusted = True
-    if (mtype in NEEDS_TOKEN or plen) and not c.trusted:
+    # STAGED with "keep" collects staged versions: a write, so it needs the token like STAGE and COMMIT.
+    writes = mtype in NEEDS_TOKEN or (mtype == STAGED and header.get("keep") is not None)
+    if (writes or plen) and not c.trusted:
       why = "the server has no token configured" if self.cfg.token is None else "missing or wrong token"
       if plen:
         raise _AuthClose(f"{name} refused: {why} (payload not read; connection closed)")
@@ -1456,7 +1458,8 @@ class Server:
       raise ValueError("ids must be a list of str")
     with q.cond:
       unknown = [i for i in ids if not (i in q.ready or i in q.leased or i in q.acked)]
-      done = [i for i in ids if i not in set(unknown)]
+      missing = set(unknown)  # once: a set per id made a long ack quadratic
+      done = [i for i in ids if i not in missing]
       self._write(q, [q._record(2, {"ids": done})] if done else [], "ack")
       q.ack_ids(done)
       q.cond.notify_all()  # room for blocked puts

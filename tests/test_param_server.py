@@ -535,13 +535,15 @@ def test_exactly_once_across_kill_9(tmp_path):
       time.sleep(0.5)
       restarted.append(start_proc(tmp_path, port)[0])
 
-    threading.Thread(target=restart).start()
+    restarter = threading.Thread(target=restart)
+    restarter.start()
     c.requeue("rollouts")  # the restarted trainer's first call: blocks until the server is back
     got = c.get("rollouts", 10)
     assert sorted(x["id"] for x in got) == ["r2", "r3", "r4", "r5"]  # unacked redelivered, acked never
     assert c.pull()[0] == 1  # the newest weights survived too
     c.ack("rollouts", [x["id"] for x in got])
     assert c.get("rollouts", 10) == [] and c.put("rollouts", [rollout(0)])["accepted"] == 0
+    restarter.join()  # start_proc polls for the port file: the client may be served before it returns
     restarted[0].send_signal(signal.SIGTERM)
     assert restarted[0].wait(timeout=10) == 0
   finally:

@@ -174,12 +174,16 @@ def test_streamed_hf_export_equals_the_reference_writer(tmp_path):
 def test_sharded_messages_reject_bad_input_and_keep_serving(servers):
   c = ps.Client("127.0.0.1", servers[0].port, token="t")
   a = np.arange(12, dtype=np.float32).reshape(3, 4)
+  anon = ps.Client("127.0.0.1", servers[0].port)
   with pytest.raises(PermissionError):
-    ps.Client("127.0.0.1", servers[0].port).stage(0, 1, "w", [[0, 3], [0, 4]], a)
+    anon.stage(0, 1, "w", [[0, 3], [0, 4]], a)
   with pytest.raises(ValueError, match="does not match shape"):
     c.stage(0, 1, "w", [[0, 2], [0, 4]], a)
   c.stage(0, 1, "w", [[0, 3], [4, 8]], a)
   piece = dict(name="w", index=[[0, 3], [4, 8]], crc=c.staged(0, 1)["pieces"][0]["crc"])
+  with pytest.raises(PermissionError):  # "keep" collects staged versions: an anonymous client may not
+    anon.staged(keep=[10**9])
+  assert anon.staged(0, 1)["pieces"] == c.staged(0, 1)["pieces"] and anon.staged()["versions"] == [0]
   (got,) = c.fetch(0, [dict(piece, sub=[[1, 3], [2, 4]])])
   np.testing.assert_array_equal(got, a[1:3, 2:4])
   with pytest.raises(ValueError, match="outside piece"):
