@@ -50,6 +50,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
@@ -101,14 +102,11 @@ def worker_rollouts(cfg, params, items, *, group_size, sc, dtype, mesh=None, att
   eng = rollout.Engine(cfg, sc, slots=max(2 * group_size, 16), max_prompt_len=max_prompt, chunk_steps=8,
                        attn_impl=attn_impl)
   wp = jax.tree.map(jnp.asarray, _host(params, dtype))
-  if mesh is None:
+  with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+    if mesh is not None:
+      wp = model.shard_params(wp, cfg, mesh)
     eng.reset(dtype)
     res = rollout.generate_groups(eng, wp, items, group_size, seed)
-  else:
-    with jax.set_mesh(mesh):
-      wp = model.shard_params(wp, cfg, mesh)
-      eng.reset(dtype)
-      res = rollout.generate_groups(eng, wp, items, group_size, seed)
   return [data.Rollout(id=pid, version=0, worker="bench", problem=data.Problem(pid, "", ""),
                        prompt_tokens=np.asarray(toks, np.int32), completions=list(res[pid][0]),
                        logprobs=list(res[pid][1]), rewards=np.zeros(group_size, np.float32)) for pid, toks in items]
@@ -325,7 +323,7 @@ def main(argv=None):
   if a.checkpoint:
     cfg, params = model.load_hf_checkpoint(a.checkpoint, dtype=jnp.float32)
   else:
-    cfg, params = tiny_config(), None
+    cfg = tiny_config()
     params = model.init_params(cfg, jax.random.PRNGKey(a.seed), std=a.init_std)
   t0 = time.time()
   configs = CONFIGS + (WORKER_TP_CONFIGS if a.worker_tp else ())

@@ -26,17 +26,15 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 
 import numpy as np
 
+import benchutil
 import param_server as ps
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 TOKEN = "bench-faults-token"
 OPS = ("push", "pull", "put", "get", "ack", "join")  # join: a new client connects, authenticates, asks once
 CRASH_POINTS = ("append", "appended", "synced", "compact_tmp", "compact_renamed")
@@ -60,16 +58,10 @@ class FaultDisk(ps._Disk):
   def __init__(self, spec):
     self.rules, self.counts = parse_faults(spec), {}
 
-  def _hit(self, op):
-    n = self.counts[op] = self.counts.get(op, 0) + 1
-    for action, rop, lo, hi in self.rules:
-      if rop == op and lo <= n <= hi:
-        return action
-    return None
-
   def _fire(self, op, before=None):
     """If a rule matches this call of op: before() (if given), then kill -9 the process or raise ENOSPC / EIO."""
-    action = self._hit(op)
+    n = self.counts[op] = self.counts.get(op, 0) + 1
+    action = next((action for action, rop, lo, hi in self.rules if rop == op and lo <= n <= hi), None)
     if not action:
       return
     if before:
@@ -113,19 +105,8 @@ def serve_main(args):
 
 
 def _start_fault_server(run_dir, faults=""):
-  port_file = run_dir + ".port"
-  if os.path.exists(port_file):
-    os.remove(port_file)
-  err = open(run_dir + ".log", "ab")
-  p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", f"--run_dir={run_dir}",
-                        f"--port_file={port_file}", f"--faults={faults}"], stdout=err, stderr=err, cwd=ROOT)
-  t0 = time.monotonic()
-  while not os.path.exists(port_file):
-    if p.poll() is not None or time.monotonic() - t0 > 30:
-      p.kill()
-      raise RuntimeError(f"fault server did not start (see {run_dir}.log)")
-    time.sleep(0.02)
-  return p, int(open(port_file).read())
+  return benchutil.start_server(run_dir + ".port", "--serve", f"--run_dir={run_dir}", f"--faults={faults}",
+                                script=os.path.basename(__file__), log=run_dir + ".log")
 
 
 def _item(i):
@@ -274,18 +255,12 @@ def hostile_load(n_conns=1000, reps=20, size_mb=4.0, workdir=None, max_clients=N
   bad_inputs(). max_clients: the server's --max_clients (default: its own); one load holds 1.5 x n_conns to go
   past it. server_flags: more param_server.py flags (the defaults otherwise)."""
   workdir = workdir or tempfile.mkdtemp()
-  port_file, token_file = os.path.join(workdir, "port"), os.path.join(workdir, "token")
-  err = open(os.path.join(workdir, "server.log"), "ab")
-  p = subprocess.Popen([sys.executable, os.path.join(ROOT, "param_server.py"), "--port=0",
-                        f"--port_file={port_file}", f"--token_file={token_file}",
-                        f"--run_dir={os.path.join(workdir, 'run')}",
-                        *([f"--max_clients={max_clients}"] if max_clients else []), *server_flags],
-                       stdout=err, stderr=err, cwd=ROOT)
-  t0 = time.monotonic()
-  while not os.path.exists(port_file):
-    assert p.poll() is None and time.monotonic() - t0 < 30, "server did not start"
-    time.sleep(0.02)
-  port, token = int(open(port_file).read()), ps.read_token(token_file)
+  token_file = os.path.join(workdir, "token")
+  p, port = benchutil.start_server(os.path.join(workdir, "port"), "--port=0", f"--token_file={token_file}",
+                                   f"--run_dir={os.path.join(workdir, 'run')}",
+                                   *([f"--max_clients={max_clients}"] if max_clients else []), *server_flags,
+                                   log=os.path.join(workdir, "server.log"))
+  token = ps.read_token(token_file)
   trainer = ps.Client(port=port, token=token, timeout_s=10.0)
   worker = ps.Client(port=port, token=token, timeout_s=10.0)
   w = {"w": np.ones(int(size_mb * (1 << 20)) // 4, np.float32)}
@@ -504,8 +479,7 @@ def main():
     print(f"({len(q)} scenarios in {time.time() - t:.0f} s)\n", flush=True)
     rows = hostile_load(200 if args.quick else args.conns, 5 if args.quick else args.reps, args.size_mb,
                         workdir=d)
-    print(hostile_table(rows))
-    print()
+    print(hostile_table(rows), end="\n\n")
     print(inputs_table(rows[0]["inputs"]))
     print(f"(server RSS after the baseline: {rows[0]['rss_after_mib']:.0f} MiB)")
 

@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+import benchutil
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
@@ -186,13 +188,10 @@ def start_servers(n, prefix):
     with open(os.path.join(tmp, "token"), "w") as f:
       f.write("t\n")
     for k in range(n):
-      pf = os.path.join(tmp, f"port{k}")
-      srv.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "param_server.py"), "--port=0",
-                                   f"--port_file={pf}", f"--token_file={tmp}/token"],
-                                  env=dict(os.environ, JAX_PLATFORMS="cpu"), stderr=subprocess.DEVNULL))
-      while not os.path.exists(pf) or not open(pf).read().strip():
-        time.sleep(0.1)
-      addrs.append(f"127.0.0.1:{open(pf).read().strip()}")
+      p, port = benchutil.start_server(os.path.join(tmp, f"port{k}"), "--port=0", f"--token_file={tmp}/token",
+                                       env=dict(os.environ, JAX_PLATFORMS="cpu"), stderr=subprocess.DEVNULL)
+      srv.append(p)
+      addrs.append(f"127.0.0.1:{port}")
     yield tmp, addrs
   finally:
     for p in srv:

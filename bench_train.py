@@ -232,10 +232,8 @@ def memory_table(a, cfg, lcfg, optimizer, params, opt_state, ref_params, n_param
         f"{a.batch} x T, {a.algo} kl_coef={lcfg.kl_coef}; MiB of temporaries per token of the compiled step")
   print(f"{'T':>6} {'plain':>9} {'remat':>9} {'chunk ' + str(a.logprob_chunk):>11} {'both':>9}  plain/both")
   for T in (int(x) for x in a.memory_seq_lens.split(",")):
-    batch = {k: jax.ShapeDtypeStruct((a.batch, T), jnp.float32 if k in ("loss_mask", "behaviour_logp",
-                                                                        "token_rewards") else jnp.int32)
-             for k in learner.BATCH_KEYS if k != "advantages"}
-    batch["advantages"] = jax.ShapeDtypeStruct((a.batch,), jnp.float32)
+    batch = {k: jax.ShapeDtypeStruct((a.batch,) if k == "advantages" else (a.batch, T), dt)
+             for k, dt in learner.BATCH_KEYS.items()}
     per = []
     for remat, chunk in ((False, 0), (True, 0), (False, a.logprob_chunk), (True, a.logprob_chunk)):
       fn = lambda p, r, b, remat=remat, chunk=chunk: learner.rl_loss(  # noqa: E731
