@@ -14,8 +14,7 @@ same batch (the figure train.py writes to metrics.jsonl every step).
 Configurations (one table row each): fp32 and bf16 with every alignment measure on (same dtype policy on both
 sides, same attention impl, fp32 log-softmax, scored at the sampling temperature), across meshes (worker 1 device,
 as rollout.run_worker runs, or 1x1x8 tensor-parallel with --worker_tp; trainer 1 device, 2x2x2, 1x8x1, 1x1x8
-data x fsdp x tensor); then variants with one
-measure switched off, to show what it buys:
+data x fsdp x tensor); then variants with one measure switched off, to show what it buys:
   * dtype policy: the worker decodes with bf16 weights, the trainer scores with fp32 weights;
   * log-softmax precision: the worker's log-probs come from bf16 logits (log_softmax in bf16).  The engine always
     does fp32, so this row replays the worker's decode path (teacher-forced prefill + decode_step on the sampled
@@ -68,10 +67,6 @@ import rollout  # noqa: E402
 import learner  # noqa: E402
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Model and prompts
-
-
 def tiny_config(vocab=256):
   # N=8 q heads and V, F divisible by 8 so the 1x1x8 tensor mesh really splits heads, ffw and vocab.
   return model.Config(vocab_size=vocab, d_model=128, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, ffw_dim=256,
@@ -88,10 +83,6 @@ def make_items(n, vocab, seed=0, min_len=3, max_len=12):
 def _host(params, dtype):
   # What the trainer publishes: master weights cast to the worker dtype, as host numpy arrays (train.publish).
   return jax.tree.map(lambda x: np.asarray(x.astype(dtype)), params)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Worker side
 
 
 def worker_rollouts(cfg, params, items, *, group_size, sc, dtype, mesh=None, attn_impl="ref", seed=0):
@@ -152,10 +143,6 @@ def replay_logprobs(cfg, params, groups, *, dtype, temperature):
   return res
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Trainer side
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "temperature", "attn_impl", "mesh_key"))
 def _trainer_fn(master, b, *, cfg, dtype, temperature, attn_impl, mesh_key):
   # mesh_key (the mesh shape) only keys the trace cache: model.py's activation constraints read the context mesh.
@@ -171,13 +158,9 @@ def _trainer_fn(master, b, *, cfg, dtype, temperature, attn_impl, mesh_key):
 
 
 def trainer_logprobs(cfg, params, groups, *, dtype, mesh, temperature, max_new_tokens, attn_impl="ref"):
-  """The trainer's recomputation over the padded batch learner.rl_batch builds, on `mesh` (None: one device).
-
-  Per-token log-probs come from the ops learner.rl_loss runs (fp32 master weights cast to `dtype` inside the jit,
-  forward_hidden, logits_from_hidden, token_logprobs_and_entropy at `temperature`); rl_loss itself runs on the
-  same batch in the same jit, and its metrics (mismatch_mean / mismatch_max, ratio stats) are returned too.
-  Returns (logp [B,T], behaviour_logp [B,T], loss_mask [B,T], metrics dict of floats).
-  """
+  """The trainer's recomputation (the module docstring's ops, fp32 master weights cast to `dtype` inside the jit)
+  over the padded batch learner.rl_batch builds, on `mesh` (None: one device); rl_loss runs on the same batch in
+  the same jit. Returns (logp [B,T], behaviour_logp [B,T], loss_mask [B,T], rl_loss metrics dict of floats)."""
   batch, _, _ = learner.rl_batch(groups, losses.ALGORITHMS["grpo"], 0, data.BUCKETS, max_new_tokens)
   master = jax.tree.map(jnp.asarray, _host(params, jnp.float32))  # fp32 master weights, as in run_rl
   kw = dict(cfg=cfg, dtype=jnp.dtype(dtype).name, temperature=float(temperature), attn_impl=attn_impl)
@@ -203,10 +186,6 @@ def mismatch_stats(logp_train, logp_infer, mask):
               k1=float(np.mean(-d)), k3=float(np.mean(r - 1 - d)),
               ratio_mean=float(r.mean()), ratio_min=float(r.min()), ratio_max=float(r.max()),
               ratio_std=float(r.std()), n_tokens=int(sel.sum()))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The configurations
 
 
 def _mesh(spec):

@@ -101,9 +101,6 @@ def serve_main(args):
   ps.serve(cfg, port_file=args.port_file)
 
 
-# ----------------------------------------------------------------------------------------------- queue faults
-
-
 def _start_fault_server(run_dir, faults=""):
   return benchutil.start_server(run_dir + ".port", "--serve", f"--run_dir={run_dir}", f"--faults={faults}",
                                 script=os.path.basename(__file__), log=run_dir + ".log")
@@ -179,9 +176,6 @@ def queue_faults(workdir, quick=False):
   specs += ["enospc@write#2", "enospc@write#3-6", "enospc@write#4,eio@truncate#1", "eio@fsync#3",
             "eio@replace#2", "enospc@write#3,kill@compact_renamed#2"]
   return [queue_scenario(s, workdir) for s in specs]
-
-
-# ----------------------------------------------------------------------------------------------- hostile load
 
 
 def _rss_mib(pid):
@@ -267,30 +261,27 @@ def hostile_load(n_conns=1000, reps=20, size_mb=4.0, workdir=None, max_clients=N
   version = [0]
   trainer.push(0, w)
 
-  def legit_round(times):
-    t = time.perf_counter()
-    version[0] += 1
-    trainer.push(version[0], w)
-    times["push"].append(time.perf_counter() - t)
-    t = time.perf_counter()
-    got = worker.pull(newer_than=version[0] - 1)
-    assert got and got[0] == version[0]
-    times["pull"].append(time.perf_counter() - t)
-    rid = f"r{version[0]}"
-    t = time.perf_counter()
-    worker.put("rollouts", [{"id": rid, "tokens": np.arange(1024, dtype=np.int32)}])
-    times["put"].append(time.perf_counter() - t)
-    t = time.perf_counter()
-    assert [x["id"] for x in trainer.get("rollouts", 1)] == [rid]
-    times["get"].append(time.perf_counter() - t)
-    t = time.perf_counter()
-    trainer.ack("rollouts", [rid])
-    times["ack"].append(time.perf_counter() - t)
-    t = time.perf_counter()  # a worker (re)joining: new connection, AUTH, first request
+  def join():  # a worker (re)joining: new connection, AUTH, first request
     fresh = ps.Client(port=port, token=token, timeout_s=10.0)
     fresh.latest_version()
     fresh.close()
-    times["join"].append(time.perf_counter() - t)
+
+  def legit_round(times):
+    def timed(op, fn, *args, **kw):
+      t = time.perf_counter()
+      out = fn(*args, **kw)
+      times[op].append(time.perf_counter() - t)
+      return out
+
+    version[0] += 1
+    timed("push", trainer.push, version[0], w)
+    got = timed("pull", worker.pull, newer_than=version[0] - 1)
+    assert got and got[0] == version[0]
+    rid = f"r{version[0]}"
+    timed("put", worker.put, "rollouts", [{"id": rid, "tokens": np.arange(1024, dtype=np.int32)}])
+    assert [x["id"] for x in timed("get", trainer.get, "rollouts", 1)] == [rid]
+    timed("ack", trainer.ack, "rollouts", [rid])
+    timed("join", join)
 
   def measure(name, make_load):
     peak, done = [_rss_mib(p.pid)], threading.Event()
@@ -315,10 +306,8 @@ def hostile_load(n_conns=1000, reps=20, size_mb=4.0, workdir=None, max_clients=N
     c1 = _cpu_s(p.pid)
     time.sleep(1.0)
     after = _cpu_s(p.pid) - c1
-    row = {"load": name, "rss_peak_mib": max(peak), "cpu_pct": 100 * cpu, "cpu_after_pct": 100 * after}
-    for k, v in times.items():
-      row[k] = (1e3 * float(np.median(v)), 1e3 * max(v))
-    return row
+    return {"load": name, "rss_peak_mib": max(peak), "cpu_pct": 100 * cpu, "cpu_after_pct": 100 * after,
+            **{k: (1e3 * float(np.median(v)), 1e3 * max(v)) for k, v in times.items()}}
 
   n = n_conns
   big = json.dumps({"a": [{}] * 20000}).encode()  # ~80 KB of many small objects: refused by the pre-auth cap
@@ -379,27 +368,24 @@ def bad_inputs(port, token):
   ]
   rows = []
   for name, data in cases:
-    s = socket.create_connection(("127.0.0.1", port), timeout=30)
-    f = s.makefile("rb")
-    t0 = time.monotonic()
-    s.sendall(data)
-    if data.startswith(auth):
-      _, _, _, hl, pl = ps.PREFIX.unpack(f.read(ps.PREFIX.size))
-      f.read(hl + pl)  # the AUTH reply
-    pre, reply, closed = f.read(ps.PREFIX.size), "-", True
-    ms = 1e3 * (time.monotonic() - t0)
-    if len(pre) == ps.PREFIX.size:
-      _, _, mt, hl, pl = ps.PREFIX.unpack(pre)
-      h = json.loads(f.read(hl))
-      f.read(pl)
-      reply = h.get("code", "?") if mt == ps.ERROR else "ok"
-      s.settimeout(0.5)  # the reply is in; does the server close the connection?
-      try:
-        closed = f.read(1) == b""
-      except (socket.timeout, OSError):
-        closed = False
-    f.close()
-    s.close()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s, s.makefile("rb") as f:
+      t0 = time.monotonic()
+      s.sendall(data)
+      if data.startswith(auth):
+        _, _, _, hl, pl = ps.PREFIX.unpack(f.read(ps.PREFIX.size))
+        f.read(hl + pl)  # the AUTH reply
+      pre, reply, closed = f.read(ps.PREFIX.size), "-", True
+      ms = 1e3 * (time.monotonic() - t0)
+      if len(pre) == ps.PREFIX.size:
+        _, _, mt, hl, pl = ps.PREFIX.unpack(pre)
+        h = json.loads(f.read(hl))
+        f.read(pl)
+        reply = h.get("code", "?") if mt == ps.ERROR else "ok"
+        s.settimeout(0.5)  # the reply is in; does the server close the connection?
+        try:
+          closed = f.read(1) == b""
+        except (socket.timeout, OSError):
+          closed = False
     rows.append({"input": name, "reply": reply, "closed": closed, "ms": ms})
   return rows
 
@@ -411,12 +397,9 @@ def inputs_table(rows):
   return "\n".join(lines)
 
 
-class _Multi:
-  def __init__(self, loads):
-    self.loads = loads
-
+class _Multi(list):
   def stop(self):
-    for x in self.loads:
+    for x in self:
       x.stop()
 
 
@@ -427,9 +410,6 @@ def _all(port, n, big, deep):
                  Load(port, flood=_frame(ps.PUSH, big), flood_threads=1),
                  Load(port, flood=_frame(ps.STATS, deep), flood_threads=1),
                  Load(port, flood=_frame(ps.PULL, b'{"wait_s":NaN}'), flood_threads=1)])
-
-
-# ----------------------------------------------------------------------------------------------- report
 
 
 def describe(r):

@@ -121,14 +121,12 @@ def scenario(workdir, *, d_model=128, n_layers=2, max_new_tokens=256, temperatur
     c.close()
     srv.stop()
   log_a = open(os.path.join(workdir, "A.log")).read()
-  equal = total = 0
-  diff = 0.0
+  equal, total, diff = 0, 0, 0.0
   for gid, r in got.items():
     comps, lps = ref[gid]
     for x, y, lx, ly in zip(r["completions"], comps, r["logprobs"], lps):
       total += len(y)
-      n = min(len(x), len(y))
-      equal += int((np.asarray(x[:n]) == y[:n]).sum()) if len(x) == len(y) else 0
+      equal += int((np.asarray(x) == y).sum()) if len(x) == len(y) else 0
       if len(x) == len(y) and (np.asarray(x) == y).all():
         diff = max(diff, float(np.abs(np.asarray(lx) - ly).max()))
   resumed = {gid: int(r.get("resumed_tokens", 0)) for gid, r in got.items()}

@@ -10,12 +10,12 @@ the measured throughputs and the byte counts (assumptions printed), beside the a
   python bench_sharded.py                          (~125M params; the machine may be shared: see the note)
   python bench_sharded.py --d_model=256 --n_layers=2 --vocab=4096   (quick)
 
---delta: delta weight sync instead (issue 18). One trainer process takes --steps Adam steps (lr --lr, default
-1e-6) on random tokens (next-token loss on the 125M-param default model: honest "a few RL-sized steps", not RL), publishes
-each version as bf16 to a param_server.py process, and three workers (in this process, one after the other)
-pull it: one in full, one as a delta against the version it holds (the first asker: it also waits for the
-server to build the delta), one more delta (served from the server's cache, like the rest of a fleet). Prints
-per version: fraction of bytes changed, bytes moved, and pull time delta vs full, all bit-checked.
+--delta: delta weight sync instead (issue 18). One trainer process takes --steps Adam steps (lr --lr, default 1e-6)
+on random tokens (next-token loss on the 125M-param default model: honest "a few RL-sized steps", not RL), publishes
+each version as bf16 to a param_server.py process, and three workers (in this process, one after the other) pull it:
+one in full, one as a delta against the version it holds (the first asker: it also waits for the server to build the
+delta), one more delta (served from the server's cache, like the rest of a fleet). Prints per version: fraction of
+bytes changed, bytes moved, and pull time delta vs full, all bit-checked.
 
   python bench_sharded.py --delta --steps=4 --lr=1e-6          (125M params, ~3 min on 2 cores)
 """
