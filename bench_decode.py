@@ -249,8 +249,7 @@ def main(argv=None):
   res["roofline"] = dict(bytes_per_s=bw, matmul_flops_per_s=peak, limit_step_s=limit_s, binds=binds,
                          ours_step_s=step_s, ours_over_limit=step_s / limit_s)
 
-  rows = [("ours", o)] + [(f"hf@{th}t", r) for th, r in h_all.items()]
-  for name, r in rows:
+  for name, r in [("ours", o)] + [(f"hf@{th}t", r) for th, r in h_all.items()]:
     print(f"{name:7s} prefill {r['prefill_s_best'] * 1e3:8.1f} ms  decode {r['decode_s_best'] * 1e3:8.1f} ms  "
           f"end-to-end {r['tokens_per_s']:8.1f} tok/s (median {r['tokens_per_s_median']:.1f})  "
           f"decode-only {r['decode_tokens_per_s']:8.1f} tok/s")
