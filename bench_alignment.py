@@ -14,8 +14,7 @@ same batch (the figure train.py writes to metrics.jsonl every step).
 Configurations (one table row each): fp32 and bf16 with every alignment measure on (same dtype policy on both
 sides, same attention impl, fp32 log-softmax, scored at the sampling temperature), across meshes (worker 1 device,
 as rollout.run_worker runs, or 1x1x8 tensor-parallel with --worker_tp; trainer 1 device, 2x2x2, 1x8x1, 1x1x8
-data x fsdp x tensor); then variants with one
-measure switched off, to show what it buys:
+data x fsdp x tensor); then variants with one measure switched off, to show what it buys:
   * dtype policy: the worker decodes with bf16 weights, the trainer scores with fp32 weights;
   * log-softmax precision: the worker's log-probs come from bf16 logits (log_softmax in bf16).  The engine always
     does fp32, so this row replays the worker's decode path (teacher-forced prefill + decode_step on the sampled
@@ -50,6 +49,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
@@ -65,10 +65,6 @@ import losses  # noqa: E402
 import model  # noqa: E402
 import rollout  # noqa: E402
 import learner  # noqa: E402
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Model and prompts
 
 
 def tiny_config(vocab=256):
@@ -89,10 +85,6 @@ def _host(params, dtype):
   return jax.tree.map(lambda x: np.asarray(x.astype(dtype)), params)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Worker side
-
-
 def worker_rollouts(cfg, params, items, *, group_size, sc, dtype, mesh=None, attn_impl="ref", seed=0):
   """Runs the worker's generation path; returns rollout group dicts (prompt_tokens, completions, logprobs,
   rewards) as the worker sends them. mesh None: one device (what rollout.run_worker does), else params are
@@ -101,14 +93,11 @@ def worker_rollouts(cfg, params, items, *, group_size, sc, dtype, mesh=None, att
   eng = rollout.Engine(cfg, sc, slots=max(2 * group_size, 16), max_prompt_len=max_prompt, chunk_steps=8,
                        attn_impl=attn_impl)
   wp = jax.tree.map(jnp.asarray, _host(params, dtype))
-  if mesh is None:
+  with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+    if mesh is not None:
+      wp = model.shard_params(wp, cfg, mesh)
     eng.reset(dtype)
     res = rollout.generate_groups(eng, wp, items, group_size, seed)
-  else:
-    with jax.set_mesh(mesh):
-      wp = model.shard_params(wp, cfg, mesh)
-      eng.reset(dtype)
-      res = rollout.generate_groups(eng, wp, items, group_size, seed)
   return [data.Rollout(id=pid, version=0, worker="bench", problem=data.Problem(pid, "", ""),
                        prompt_tokens=np.asarray(toks, np.int32), completions=list(res[pid][0]),
                        logprobs=list(res[pid][1]), rewards=np.zeros(group_size, np.float32)) for pid, toks in items]
@@ -154,10 +143,6 @@ def replay_logprobs(cfg, params, groups, *, dtype, temperature):
   return res
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Trainer side
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "temperature", "attn_impl", "mesh_key"))
 def _trainer_fn(master, b, *, cfg, dtype, temperature, attn_impl, mesh_key):
   # mesh_key (the mesh shape) only keys the trace cache: model.py's activation constraints read the context mesh.
@@ -173,13 +158,9 @@ def _trainer_fn(master, b, *, cfg, dtype, temperature, attn_impl, mesh_key):
 
 
 def trainer_logprobs(cfg, params, groups, *, dtype, mesh, temperature, max_new_tokens, attn_impl="ref"):
-  """The trainer's recomputation over the padded batch learner.rl_batch builds, on `mesh` (None: one device).
-
-  Per-token log-probs come from the ops learner.rl_loss runs (fp32 master weights cast to `dtype` inside the jit,
-  forward_hidden, logits_from_hidden, token_logprobs_and_entropy at `temperature`); rl_loss itself runs on the
-  same batch in the same jit, and its metrics (mismatch_mean / mismatch_max, ratio stats) are returned too.
-  Returns (logp [B,T], behaviour_logp [B,T], loss_mask [B,T], metrics dict of floats).
-  """
+  """The trainer's recomputation (the module docstring's ops, fp32 master weights cast to `dtype` inside the jit)
+  over the padded batch learner.rl_batch builds, on `mesh` (None: one device); rl_loss runs on the same batch in
+  the same jit. Returns (logp [B,T], behaviour_logp [B,T], loss_mask [B,T], rl_loss metrics dict of floats)."""
   batch, _, _ = learner.rl_batch(groups, losses.ALGORITHMS["grpo"], 0, data.BUCKETS, max_new_tokens)
   master = jax.tree.map(jnp.asarray, _host(params, jnp.float32))  # fp32 master weights, as in run_rl
   kw = dict(cfg=cfg, dtype=jnp.dtype(dtype).name, temperature=float(temperature), attn_impl=attn_impl)
@@ -205,10 +186,6 @@ def mismatch_stats(logp_train, logp_infer, mask):
               k1=float(np.mean(-d)), k3=float(np.mean(r - 1 - d)),
               ratio_mean=float(r.mean()), ratio_min=float(r.min()), ratio_max=float(r.max()),
               ratio_std=float(r.std()), n_tokens=int(sel.sum()))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The configurations
 
 
 def _mesh(spec):
@@ -325,7 +302,7 @@ def main(argv=None):
   if a.checkpoint:
     cfg, params = model.load_hf_checkpoint(a.checkpoint, dtype=jnp.float32)
   else:
-    cfg, params = tiny_config(), None
+    cfg = tiny_config()
     params = model.init_params(cfg, jax.random.PRNGKey(a.seed), std=a.init_std)
   t0 = time.time()
   configs = CONFIGS + (WORKER_TP_CONFIGS if a.worker_tp else ())

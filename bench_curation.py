@@ -89,10 +89,9 @@ def main(argv):
     for k, ls in (("pass@1", "--"), ("pass@8", "-")):
       a1.errorbar([s for s, _ in pts], [100 * e[k] for _, e in pts], yerr=[100 * e.get(k + "_se", 0) for _, e in pts],
                   ls=ls, marker="o", ms=3, capsize=2, label=f"{name} {k}")
-  a0.set(title="training reward (running mean of 50 steps)", xlabel="RL step")
-  a1.set(title="held-out pass@k (%)", xlabel="RL step")
-  a0.legend(fontsize=7)
-  a1.legend(fontsize=7)
+  for ax, title in ((a0, "training reward (running mean of 50 steps)"), (a1, "held-out pass@k (%)")):
+    ax.set(title=title, xlabel="RL step")
+    ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(out)
   print(f"curves: {out}")

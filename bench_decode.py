@@ -2,13 +2,11 @@
 
 What is measured (both sides on one checkpoint directory, the same B prompts of P random tokens, N new tokens
 per prompt, greedy, no early stop):
-  ours  rollout.Engine(cfg, SamplingConfig(temperature=0, max_new_tokens=N, stop_ids=()), slots=B,
-        max_prompt_len=P, chunk_steps=C): one insert of the B prompts (a batched prefill, as the worker does
-        with the prompts it leases together) then run_chunk until no slot is active (one host sync per
-        chunk).  Compile time is
-        excluded by a full warm-up pass with the same shapes (reported as compile_s, that pass's time).
-        stop_ids=() so every slot makes exactly N tokens; when C does not divide N the last chunk's extra
-        steps are paid for (that is the engine's real cost).
+  ours  rollout.Engine(cfg, SamplingConfig(temperature=0, max_new_tokens=N, stop_ids=()), slots=B, max_prompt_len=P,
+        chunk_steps=C): one insert of the B prompts (a batched prefill, as the worker does with the prompts it
+        leases together) then run_chunk until no slot is active (one host sync per chunk).  Compile time is excluded
+        by a full warm-up pass with the same shapes (its time: compile_s). stop_ids=() so every slot makes exactly N
+        tokens; when C does not divide N the last chunk's extra steps are paid for (the engine's real cost).
   hf    AutoModelForCausalLM.from_pretrained(dir, dtype=float32).generate(input_ids [B,P], max_new_tokens=N,
         min_new_tokens=N, do_sample=False, use_cache=True) in torch fp32 on CPU, timed at each
         torch.set_num_threads(t) for t in --hf_threads (default 1 and the core count; XLA's CPU backend uses
@@ -19,8 +17,7 @@ Reported per side: prefill s, decode s, end-to-end s and tokens/s = B*N / time (
 tokens made after the prefill: B*N for ours, B*(N-1) for hf, whose first token comes out of the prefill),
 best and median over --reps rounds that alternate ours/hf so both see the same load; ratios ours/hf use the
 best times.  `greedy_match` compares the two sides' [B,N] greedy tokens (fraction of equal tokens and whether
-all are equal).  Without --checkpoint a random-init Qwen2-style checkpoint of the shape flags is written with
-model.save_hf_checkpoint to a temp dir.
+all are equal).  Without --checkpoint a random-init Qwen2-style checkpoint of the shape flags is written to a temp dir.
 
 Needs torch and transformers (in requirements-dev.txt; the rest of the repo does not).
 
@@ -63,13 +60,11 @@ def add_shape_flags(p, defaults, suffix=""):
 
 
 # --preset: the three shapes issue 17 measures (model and generation shape: a preset overrides those flags).
-PRESETS = dict(
-    demo=dict(d_model=384, n_layers=4, n_heads=6, n_kv_heads=2, ffw_dim=1024, vocab=2048, batch=8, prompt_len=64,
-              new_tokens=64),
-    big=dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=2, ffw_dim=1536, vocab=32768, batch=64, prompt_len=64,
-             new_tokens=128),
-    long=dict(d_model=384, n_layers=4, n_heads=6, n_kv_heads=2, ffw_dim=1024, vocab=2048, batch=8, prompt_len=512,
-              new_tokens=512))
+DEMO = dict(d_model=384, n_layers=4, n_heads=6, n_kv_heads=2, ffw_dim=1024, vocab=2048, batch=8, prompt_len=64,
+            new_tokens=64)  # also the shape flags' defaults
+PRESETS = dict(demo=DEMO, big=dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=2, ffw_dim=1536, vocab=32768,
+                                   batch=64, prompt_len=64, new_tokens=128),
+               long=dict(DEMO, prompt_len=512, new_tokens=512))
 
 
 def parse_args(argv=None):
@@ -77,8 +72,7 @@ def parse_args(argv=None):
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--checkpoint", default=None, help="HF checkpoint dir to benchmark (dir); default: write a "
                  "random-init Qwen2-style one from the shape flags to a temp dir")
-  add_shape_flags(p, dict(d_model=384, n_layers=4, n_heads=6, n_kv_heads=2, ffw_dim=1024, vocab=2048),
-                  " of the generated checkpoint")
+  add_shape_flags(p, DEMO, " of the generated checkpoint")
   p.add_argument("--batch", type=int, default=8, help="prompts decoded together B (sequences)")
   p.add_argument("--prompt_len", type=int, default=64, help="prompt length P (tokens, all prompts equal)")
   p.add_argument("--new_tokens", type=int, default=64, help="new tokens per prompt N (tokens, no early stop)")
@@ -123,12 +117,13 @@ def random_params(cfg, seed):
 
 
 def make_checkpoint(a, path):
-  """Random-init Qwen2-style model (QKV bias, tied embeddings) saved as an HF checkpoint dir."""
+  """Random-init Qwen2-style model (QKV bias, tied embeddings) saved as an HF checkpoint dir; returns path."""
   cfg = model.Config(vocab_size=a.vocab, d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads,
                      n_kv_heads=a.n_kv_heads, head_dim=a.d_model // a.n_heads, ffw_dim=a.ffw_dim,
                      tie_embeddings=True, qkv_bias=True, arch="Qwen2ForCausalLM",
                      max_position_embeddings=max(512, a.prompt_len + a.new_tokens))
   model.save_hf_checkpoint(path, cfg, random_params(cfg, a.seed))
+  return path
 
 
 def memory_bandwidth(nbytes=256 << 20, reps=5):
@@ -148,10 +143,9 @@ def decode_roofline(cfg, n_params, B, P, N, bytes_per_s, flops_per_s):
   ctx = P + N / 2
   kv = B * ctx * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 4
   emb = cfg.vocab_size * cfg.d_model  # the input embedding is a gather of B rows; tied: the lm head reads it all
-  weight_bytes = 4 * n_params
   flops = (2 * (n_params - (0 if cfg.tie_embeddings else emb)) * B
            + 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * ctx * B)
-  t_mem, t_flop = (weight_bytes + kv) / bytes_per_s, flops / flops_per_s
+  t_mem, t_flop = (4 * n_params + kv) / bytes_per_s, flops / flops_per_s
   return (t_mem, "memory") if t_mem >= t_flop else (t_flop, "matmul")
 
 
@@ -200,10 +194,7 @@ def main(argv=None):
   import torch
   import transformers
   with tempfile.TemporaryDirectory() as tmp:
-    ckpt = a.checkpoint
-    if ckpt is None:
-      ckpt = os.path.join(tmp, "ckpt")
-      make_checkpoint(a, ckpt)
+    ckpt = a.checkpoint if a.checkpoint is not None else make_checkpoint(a, os.path.join(tmp, "ckpt"))
     cfg, params = model.load_hf_checkpoint(ckpt, dtype=jnp.float32)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
   B, P, N = a.batch, a.prompt_len, a.new_tokens
@@ -258,8 +249,7 @@ def main(argv=None):
   res["roofline"] = dict(bytes_per_s=bw, matmul_flops_per_s=peak, limit_step_s=limit_s, binds=binds,
                          ours_step_s=step_s, ours_over_limit=step_s / limit_s)
 
-  rows = [("ours", o)] + [(f"hf@{th}t", r) for th, r in h_all.items()]
-  for name, r in rows:
+  for name, r in [("ours", o)] + [(f"hf@{th}t", r) for th, r in h_all.items()]:
     print(f"{name:7s} prefill {r['prefill_s_best'] * 1e3:8.1f} ms  decode {r['decode_s_best'] * 1e3:8.1f} ms  "
           f"end-to-end {r['tokens_per_s']:8.1f} tok/s (median {r['tokens_per_s_median']:.1f})  "
           f"decode-only {r['decode_tokens_per_s']:8.1f} tok/s")

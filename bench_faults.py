@@ -26,17 +26,15 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 
 import numpy as np
 
+import benchutil
 import param_server as ps
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 TOKEN = "bench-faults-token"
 OPS = ("push", "pull", "put", "get", "ack", "join")  # join: a new client connects, authenticates, asks once
 CRASH_POINTS = ("append", "appended", "synced", "compact_tmp", "compact_renamed")
@@ -60,16 +58,10 @@ class FaultDisk(ps._Disk):
   def __init__(self, spec):
     self.rules, self.counts = parse_faults(spec), {}
 
-  def _hit(self, op):
-    n = self.counts[op] = self.counts.get(op, 0) + 1
-    for action, rop, lo, hi in self.rules:
-      if rop == op and lo <= n <= hi:
-        return action
-    return None
-
   def _fire(self, op, before=None):
     """If a rule matches this call of op: before() (if given), then kill -9 the process or raise ENOSPC / EIO."""
-    action = self._hit(op)
+    n = self.counts[op] = self.counts.get(op, 0) + 1
+    action = next((action for action, rop, lo, hi in self.rules if rop == op and lo <= n <= hi), None)
     if not action:
       return
     if before:
@@ -109,23 +101,9 @@ def serve_main(args):
   ps.serve(cfg, port_file=args.port_file)
 
 
-# ----------------------------------------------------------------------------------------------- queue faults
-
-
 def _start_fault_server(run_dir, faults=""):
-  port_file = run_dir + ".port"
-  if os.path.exists(port_file):
-    os.remove(port_file)
-  err = open(run_dir + ".log", "ab")
-  p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", f"--run_dir={run_dir}",
-                        f"--port_file={port_file}", f"--faults={faults}"], stdout=err, stderr=err, cwd=ROOT)
-  t0 = time.monotonic()
-  while not os.path.exists(port_file):
-    if p.poll() is not None or time.monotonic() - t0 > 30:
-      p.kill()
-      raise RuntimeError(f"fault server did not start (see {run_dir}.log)")
-    time.sleep(0.02)
-  return p, int(open(port_file).read())
+  return benchutil.start_server(run_dir + ".port", "--serve", f"--run_dir={run_dir}", f"--faults={faults}",
+                                script=os.path.basename(__file__), log=run_dir + ".log")
 
 
 def _item(i):
@@ -200,9 +178,6 @@ def queue_faults(workdir, quick=False):
   return [queue_scenario(s, workdir) for s in specs]
 
 
-# ----------------------------------------------------------------------------------------------- hostile load
-
-
 def _rss_mib(pid):
   with open(f"/proc/{pid}/status") as f:
     for line in f:
@@ -274,48 +249,39 @@ def hostile_load(n_conns=1000, reps=20, size_mb=4.0, workdir=None, max_clients=N
   bad_inputs(). max_clients: the server's --max_clients (default: its own); one load holds 1.5 x n_conns to go
   past it. server_flags: more param_server.py flags (the defaults otherwise)."""
   workdir = workdir or tempfile.mkdtemp()
-  port_file, token_file = os.path.join(workdir, "port"), os.path.join(workdir, "token")
-  err = open(os.path.join(workdir, "server.log"), "ab")
-  p = subprocess.Popen([sys.executable, os.path.join(ROOT, "param_server.py"), "--port=0",
-                        f"--port_file={port_file}", f"--token_file={token_file}",
-                        f"--run_dir={os.path.join(workdir, 'run')}",
-                        *([f"--max_clients={max_clients}"] if max_clients else []), *server_flags],
-                       stdout=err, stderr=err, cwd=ROOT)
-  t0 = time.monotonic()
-  while not os.path.exists(port_file):
-    assert p.poll() is None and time.monotonic() - t0 < 30, "server did not start"
-    time.sleep(0.02)
-  port, token = int(open(port_file).read()), ps.read_token(token_file)
+  token_file = os.path.join(workdir, "token")
+  p, port = benchutil.start_server(os.path.join(workdir, "port"), "--port=0", f"--token_file={token_file}",
+                                   f"--run_dir={os.path.join(workdir, 'run')}",
+                                   *([f"--max_clients={max_clients}"] if max_clients else []), *server_flags,
+                                   log=os.path.join(workdir, "server.log"))
+  token = ps.read_token(token_file)
   trainer = ps.Client(port=port, token=token, timeout_s=10.0)
   worker = ps.Client(port=port, token=token, timeout_s=10.0)
   w = {"w": np.ones(int(size_mb * (1 << 20)) // 4, np.float32)}
   version = [0]
   trainer.push(0, w)
 
-  def legit_round(times):
-    t = time.perf_counter()
-    version[0] += 1
-    trainer.push(version[0], w)
-    times["push"].append(time.perf_counter() - t)
-    t = time.perf_counter()
-    got = worker.pull(newer_than=version[0] - 1)
-    assert got and got[0] == version[0]
-    times["pull"].append(time.perf_counter() - t)
-    rid = f"r{version[0]}"
-    t = time.perf_counter()
-    worker.put("rollouts", [{"id": rid, "tokens": np.arange(1024, dtype=np.int32)}])
-    times["put"].append(time.perf_counter() - t)
-    t = time.perf_counter()
-    assert [x["id"] for x in trainer.get("rollouts", 1)] == [rid]
-    times["get"].append(time.perf_counter() - t)
-    t = time.perf_counter()
-    trainer.ack("rollouts", [rid])
-    times["ack"].append(time.perf_counter() - t)
-    t = time.perf_counter()  # a worker (re)joining: new connection, AUTH, first request
+  def join():  # a worker (re)joining: new connection, AUTH, first request
     fresh = ps.Client(port=port, token=token, timeout_s=10.0)
     fresh.latest_version()
     fresh.close()
-    times["join"].append(time.perf_counter() - t)
+
+  def legit_round(times):
+    def timed(op, fn, *args, **kw):
+      t = time.perf_counter()
+      out = fn(*args, **kw)
+      times[op].append(time.perf_counter() - t)
+      return out
+
+    version[0] += 1
+    timed("push", trainer.push, version[0], w)
+    got = timed("pull", worker.pull, newer_than=version[0] - 1)
+    assert got and got[0] == version[0]
+    rid = f"r{version[0]}"
+    timed("put", worker.put, "rollouts", [{"id": rid, "tokens": np.arange(1024, dtype=np.int32)}])
+    assert [x["id"] for x in timed("get", trainer.get, "rollouts", 1)] == [rid]
+    timed("ack", trainer.ack, "rollouts", [rid])
+    timed("join", join)
 
   def measure(name, make_load):
     peak, done = [_rss_mib(p.pid)], threading.Event()
@@ -340,10 +306,8 @@ def hostile_load(n_conns=1000, reps=20, size_mb=4.0, workdir=None, max_clients=N
     c1 = _cpu_s(p.pid)
     time.sleep(1.0)
     after = _cpu_s(p.pid) - c1
-    row = {"load": name, "rss_peak_mib": max(peak), "cpu_pct": 100 * cpu, "cpu_after_pct": 100 * after}
-    for k, v in times.items():
-      row[k] = (1e3 * float(np.median(v)), 1e3 * max(v))
-    return row
+    return {"load": name, "rss_peak_mib": max(peak), "cpu_pct": 100 * cpu, "cpu_after_pct": 100 * after,
+            **{k: (1e3 * float(np.median(v)), 1e3 * max(v)) for k, v in times.items()}}
 
   n = n_conns
   big = json.dumps({"a": [{}] * 20000}).encode()  # ~80 KB of many small objects: refused by the pre-auth cap
@@ -404,27 +368,24 @@ def bad_inputs(port, token):
   ]
   rows = []
   for name, data in cases:
-    s = socket.create_connection(("127.0.0.1", port), timeout=30)
-    f = s.makefile("rb")
-    t0 = time.monotonic()
-    s.sendall(data)
-    if data.startswith(auth):
-      _, _, _, hl, pl = ps.PREFIX.unpack(f.read(ps.PREFIX.size))
-      f.read(hl + pl)  # the AUTH reply
-    pre, reply, closed = f.read(ps.PREFIX.size), "-", True
-    ms = 1e3 * (time.monotonic() - t0)
-    if len(pre) == ps.PREFIX.size:
-      _, _, mt, hl, pl = ps.PREFIX.unpack(pre)
-      h = json.loads(f.read(hl))
-      f.read(pl)
-      reply = h.get("code", "?") if mt == ps.ERROR else "ok"
-      s.settimeout(0.5)  # the reply is in; does the server close the connection?
-      try:
-        closed = f.read(1) == b""
-      except (socket.timeout, OSError):
-        closed = False
-    f.close()
-    s.close()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s, s.makefile("rb") as f:
+      t0 = time.monotonic()
+      s.sendall(data)
+      if data.startswith(auth):
+        _, _, _, hl, pl = ps.PREFIX.unpack(f.read(ps.PREFIX.size))
+        f.read(hl + pl)  # the AUTH reply
+      pre, reply, closed = f.read(ps.PREFIX.size), "-", True
+      ms = 1e3 * (time.monotonic() - t0)
+      if len(pre) == ps.PREFIX.size:
+        _, _, mt, hl, pl = ps.PREFIX.unpack(pre)
+        h = json.loads(f.read(hl))
+        f.read(pl)
+        reply = h.get("code", "?") if mt == ps.ERROR else "ok"
+        s.settimeout(0.5)  # the reply is in; does the server close the connection?
+        try:
+          closed = f.read(1) == b""
+        except (socket.timeout, OSError):
+          closed = False
     rows.append({"input": name, "reply": reply, "closed": closed, "ms": ms})
   return rows
 
@@ -436,12 +397,9 @@ def inputs_table(rows):
   return "\n".join(lines)
 
 
-class _Multi:
-  def __init__(self, loads):
-    self.loads = loads
-
+class _Multi(list):
   def stop(self):
-    for x in self.loads:
+    for x in self:
       x.stop()
 
 
@@ -452,9 +410,6 @@ def _all(port, n, big, deep):
                  Load(port, flood=_frame(ps.PUSH, big), flood_threads=1),
                  Load(port, flood=_frame(ps.STATS, deep), flood_threads=1),
                  Load(port, flood=_frame(ps.PULL, b'{"wait_s":NaN}'), flood_threads=1)])
-
-
-# ----------------------------------------------------------------------------------------------- report
 
 
 def describe(r):
@@ -504,8 +459,7 @@ def main():
     print(f"({len(q)} scenarios in {time.time() - t:.0f} s)\n", flush=True)
     rows = hostile_load(200 if args.quick else args.conns, 5 if args.quick else args.reps, args.size_mb,
                         workdir=d)
-    print(hostile_table(rows))
-    print()
+    print(hostile_table(rows), end="\n\n")
     print(inputs_table(rows[0]["inputs"]))
     print(f"(server RSS after the baseline: {rows[0]['rss_after_mib']:.0f} MiB)")
 

@@ -15,7 +15,6 @@ import os
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -23,6 +22,7 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags
 
+import benchutil
 import param_server as ps
 
 flags.DEFINE_integer("size_mb", 1024, "Size of the weight set (MiB, default 1024).")
@@ -34,13 +34,8 @@ FLAGS = flags.FLAGS
 def make_weights(size):
   """16 tensors totalling `size` bytes, alternating bf16 / fp32, with non-constant contents."""
   per = size // 16
-  out = {}
-  for i in range(16):
-    if i % 2:
-      out[f"layers/{i}/w"] = (np.arange(per // 4, dtype=np.uint32) * 2654435761).view(np.float32)
-    else:
-      out[f"layers/{i}/w"] = (np.arange(per // 2, dtype=np.uint16) * 40503).view(ml_dtypes.bfloat16)
-  return out
+  return {f"layers/{i}/w": (np.arange(per // 4, dtype=np.uint32) * 2654435761).view(np.float32) if i % 2
+          else (np.arange(per // 2, dtype=np.uint16) * 40503).view(ml_dtypes.bfloat16) for i in range(16)}
 
 
 def raw_sender(listener, size):
@@ -66,8 +61,7 @@ def receiver(kind, port, size, barrier, results):
   barrier.wait()
   t0 = time.perf_counter()
   if kind == "pull":
-    v, w = c.pull()
-    n = sum(a.nbytes for a in w.values())
+    n = sum(a.nbytes for a in c.pull()[1].values())
   else:
     buf = ps._alloc(size)
     mv, n = memoryview(buf), 0
@@ -98,20 +92,14 @@ def main(argv):
   size = FLAGS.size_mb << 20
   assert size % (16 << 20) == 0, "--size_mb must be a multiple of 16"
   tmp = tempfile.mkdtemp(prefix="bench_ps_")
-  port_file, token_file = os.path.join(tmp, "port"), os.path.join(tmp, "token")
-  srv = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                        "param_server.py"),
-                          "--port=0", f"--port_file={port_file}", f"--token_file={token_file}",
-                          f"--max_payload_mb={FLAGS.size_mb + 16}", "--min_rate_mb_s=10"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  token_file = os.path.join(tmp, "token")
+  srv, port = benchutil.start_server(os.path.join(tmp, "port"), "--port=0", f"--token_file={token_file}",
+                                     f"--max_payload_mb={FLAGS.size_mb + 16}", "--min_rate_mb_s=10",
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   listener = socket.create_server(("127.0.0.1", 0), backlog=64)
   raw = mp.get_context("fork").Process(target=raw_sender, args=(listener, size), daemon=True)
   raw.start()
   try:
-    while not os.path.exists(port_file):
-      assert srv.poll() is None, "param_server.py failed to start"
-      time.sleep(0.05)
-    port = int(open(port_file).read())
     w = make_weights(size)
     c = ps.Client(port=port, token=ps.read_token(token_file), timeout_s=120.0)
     t0 = time.perf_counter()

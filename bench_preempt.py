@@ -27,6 +27,7 @@ import time
 import jax
 import numpy as np
 
+import benchutil
 import data
 import model
 import param_server as ps
@@ -34,12 +35,6 @@ import rollout
 import shards
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-
-
-def _env():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  env.pop("XLA_FLAGS", None)  # one CPU device per worker process
-  return env
 
 
 def scenario(workdir, *, d_model=128, n_layers=2, max_new_tokens=256, temperature=1.0, n_groups=6, group_size=2,
@@ -87,19 +82,9 @@ def scenario(workdir, *, d_model=128, n_layers=2, max_new_tokens=256, temperatur
                           f"--token_file={token_file}", f"--tokenizer={tok_path}", f"--slots={slots}",
                           f"--chunk_steps={chunk_steps}", "--verifier_workers=0", "--drain_s=0", "--lease_s=120",
                           f"--seed={seed}", f"--worker_id={name}"],
-                         cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+                         cwd=ROOT, env=benchutil.child_env(), stdout=log, stderr=subprocess.STDOUT)
     procs.append(p)
     return p
-
-  def collect(until, proc, what):
-    t0 = time.time()
-    while not until():
-      assert proc.poll() is None, f"{what}: the worker exited (rc={proc.returncode}), see {workdir}"
-      assert time.time() - t0 < timeout_s, f"{what}: timed out after {timeout_s}s, see {workdir}"
-      for r in c.get("rollouts", 100, wait_s=0.2, lease_s=600):
-        assert r["id"] not in got, f"rollout {r['id']} delivered twice"
-        got[r["id"]] = r
-        c.ack("rollouts", [r["id"]])
 
   try:
     shards.publish([c], 0, params, meta)
@@ -117,8 +102,14 @@ def scenario(workdir, *, d_model=128, n_layers=2, max_new_tokens=256, temperatur
     a.send_signal(signal.SIGTERM)  # a TPU preemption notice: A is in the middle of its second wave
     assert a.wait(timeout=120) == 0, f"worker A exited with rc={a.returncode}"
     shards.publish([c], 1, params, meta)  # B pulls v1: its own tokens carry v1, A's keep v0
-    b = worker("B")
-    collect(lambda: len(got) == n_groups, b, "all groups")
+    b, t0 = worker("B"), time.time()
+    while len(got) < n_groups:
+      assert b.poll() is None, f"all groups: the worker exited (rc={b.returncode}), see {workdir}"
+      assert time.time() - t0 < timeout_s, f"all groups: timed out after {timeout_s}s, see {workdir}"
+      for r in c.get("rollouts", 100, wait_s=0.2, lease_s=600):
+        assert r["id"] not in got, f"rollout {r['id']} delivered twice"
+        got[r["id"]] = r
+        c.ack("rollouts", [r["id"]])
     b.send_signal(signal.SIGTERM)  # (B may still be starting up when A left nothing to continue: rc -15)
     assert b.wait(timeout=120) in (0, -signal.SIGTERM), f"worker B exited with rc={b.returncode}"
     left = c.stats()["queues"]["prompts"]
@@ -130,14 +121,12 @@ def scenario(workdir, *, d_model=128, n_layers=2, max_new_tokens=256, temperatur
     c.close()
     srv.stop()
   log_a = open(os.path.join(workdir, "A.log")).read()
-  equal = total = 0
-  diff = 0.0
+  equal, total, diff = 0, 0, 0.0
   for gid, r in got.items():
     comps, lps = ref[gid]
     for x, y, lx, ly in zip(r["completions"], comps, r["logprobs"], lps):
       total += len(y)
-      n = min(len(x), len(y))
-      equal += int((np.asarray(x[:n]) == y[:n]).sum()) if len(x) == len(y) else 0
+      equal += int((np.asarray(x) == y).sum()) if len(x) == len(y) else 0
       if len(x) == len(y) and (np.asarray(x) == y).all():
         diff = max(diff, float(np.abs(np.asarray(lx) - ly).max()))
   resumed = {gid: int(r.get("resumed_tokens", 0)) for gid, r in got.items()}

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+import benchutil
 import data
 import model
 import param_server as ps
@@ -51,8 +52,7 @@ def one_rejoin(client, port, token_file, tok_path, tok, problems, cache_dir, tag
   items = [data.PromptItem(f"{tag}-{p.id}", p, np.asarray(tok.encode(p.prompt, add_bos=True), np.int32), 4).to_wire()
            for p in problems]
   client.put("prompts", items)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  env.pop("XLA_FLAGS", None)
+  env = benchutil.child_env()
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
   if cache_dir:
     env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
@@ -71,9 +71,8 @@ def one_rejoin(client, port, token_file, tok_path, tok, problems, cache_dir, tag
     proc.wait()
   client.ack("rollouts", [g["id"] for g in got])
   # drop what is left of this round so the next worker starts from the same queue state
-  rest = client.get("prompts", 1000, wait_s=0.0, lease_s=600) + client.get("rollouts", 1000, wait_s=0.0, lease_s=600)
   for q in ("prompts", "rollouts"):
-    ids = [x["id"] for x in rest if x["id"].startswith(tag)]
+    ids = [x["id"] for x in client.get(q, 1000, wait_s=0.0, lease_s=600) if x["id"].startswith(tag)]
     if ids:
       client.ack(q, ids)
   return secs

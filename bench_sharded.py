@@ -10,16 +10,17 @@ the measured throughputs and the byte counts (assumptions printed), beside the a
   python bench_sharded.py                          (~125M params; the machine may be shared: see the note)
   python bench_sharded.py --d_model=256 --n_layers=2 --vocab=4096   (quick)
 
---delta: delta weight sync instead (issue 18). One trainer process takes --steps Adam steps (lr --lr, default
-1e-6) on random tokens (next-token loss on the 125M-param default model: honest "a few RL-sized steps", not RL), publishes
-each version as bf16 to a param_server.py process, and three workers (in this process, one after the other)
-pull it: one in full, one as a delta against the version it holds (the first asker: it also waits for the
-server to build the delta), one more delta (served from the server's cache, like the rest of a fleet). Prints
-per version: fraction of bytes changed, bytes moved, and pull time delta vs full, all bit-checked.
+--delta: delta weight sync instead (issue 18). One trainer process takes --steps Adam steps (lr --lr, default 1e-6)
+on random tokens (next-token loss on the 125M-param default model: honest "a few RL-sized steps", not RL), publishes
+each version as bf16 to a param_server.py process, and three workers (in this process, one after the other) pull it:
+one in full, one as a delta against the version it holds (the first asker: it also waits for the server to build the
+delta), one more delta (served from the server's cache, like the rest of a fleet). Prints per version: fraction of
+bytes changed, bytes moved, and pull time delta vs full, all bit-checked.
 
   python bench_sharded.py --delta --steps=4 --lr=1e-6          (125M params, ~3 min on 2 cores)
 """
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -28,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import benchutil
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -41,8 +44,10 @@ def rss_mb(field="VmRSS"):
 
 
 def reset_peak():
-  with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM (peak RSS) to the current RSS
+  """Resets VmHWM (peak RSS) to the current RSS; returns that RSS (MiB)."""
+  with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM
     f.write("5")
+  return rss_mb()
 
 
 def cfg_hf(a):
@@ -68,17 +73,16 @@ def trainer(a, n, i, port, servers, ckpt_dir):
   own = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
   clients = [shards.connect(s, token="t") for s in servers]
   rec = dict(process=i, full_model_mb=full / 2**20, own_shards_mb=own / 2**20, times={})
-  base = rss_mb()
-  reset_peak()
-  version, _ = shards.publish(clients, 0, params, dict(config=cfg.to_hf_dict(), sampling={}))  # warm-up
+  meta = dict(config=cfg.to_hf_dict(), sampling={})
+  base = reset_peak()
+  version, _ = shards.publish(clients, 0, params, meta)  # warm-up
   rec["first_publish_rss_growth_mb"] = rss_mb("VmHWM") - base  # incl. one-time allocations (gloo, threads)
   for S in (1, 2, 4):
     ts = []
     for _ in range(a.versions):
-      base = rss_mb()
-      reset_peak()
+      base = reset_peak()
       t = time.perf_counter()
-      version, sent = shards.publish(clients[:S], version + 1, params, dict(config=cfg.to_hf_dict(), sampling={}))
+      version, sent = shards.publish(clients[:S], version + 1, params, meta)
       ts.append(time.perf_counter() - t)
       rec["publish_rss_growth_mb"] = max(rec.get("publish_rss_growth_mb", 0), rss_mb("VmHWM") - base)
     rec["times"][S] = statistics.median(ts)
@@ -88,8 +92,7 @@ def trainer(a, n, i, port, servers, ckpt_dir):
   jax.block_until_ready(opt_state)
   rec["full_state_mb"] = 3 * rec["full_model_mb"]
   c = learner.Checkpointer(ckpt_dir, keep=1)
-  base = rss_mb()
-  reset_peak()
+  base = reset_peak()
   t = time.perf_counter()
   c.save(1, params, opt_state, dict(step=1))
   rec["ckpt_blocking_s"] = time.perf_counter() - t  # training could go on from here
@@ -118,21 +121,9 @@ def main():
     n, i, port, servers, ckpt = a.trainer
     return trainer(a, int(n), int(i), int(port), servers.split(","), ckpt)
   from test_shards import _free_port
-  tmp = tempfile.mkdtemp(prefix="bench_sharded_")
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  srv, addrs = [], []
-  with open(os.path.join(tmp, "token"), "w") as f:
-    f.write("t\n")
-  for k in range(4):
-    pf = os.path.join(tmp, f"port{k}")
-    srv.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "param_server.py"), "--port=0", f"--port_file={pf}",
-                                 f"--token_file={tmp}/token"], env=env, stderr=subprocess.DEVNULL))
-    while not os.path.exists(pf):
-      time.sleep(0.1)
-    addrs.append(f"127.0.0.1:{open(pf).read().strip()}")
-  try:
+  with start_servers(4, "bench_sharded_") as (tmp, addrs):
     port, n = _free_port(), 4
-    tenv = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    tenv = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     args = [f"--d_model={a.d_model}", f"--n_layers={a.n_layers}", f"--vocab={a.vocab}", f"--versions={a.versions}"]
     procs = [subprocess.Popen([sys.executable, __file__, *args, "--trainer", str(n), str(i), str(port), ",".join(addrs),
                                os.path.join(tmp, "ckpt")], env=tenv, stdout=subprocess.PIPE, text=True)
@@ -165,11 +156,6 @@ def main():
           f"{w['bit_identical']}")
     project(r0["full_model_mb"] * 2**20 / times[4] / 4, w["pulled_mb"] * 2**20 / w["seconds"] / 4,
             w["pulled_mb"] * 2**20 / w["seconds"])
-  finally:
-    for p in srv:
-      p.terminate()
-      p.wait()
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 WORKER = """
@@ -193,20 +179,25 @@ print(json.dumps(dict(version=m["version"], pulled_mb=pulled / 2**20, held_mb=he
 """
 
 
-def start_servers(tmp, n):
-  """n param_server.py processes (token "t"); returns (processes, ["127.0.0.1:port", ...])."""
-  srv, addrs = [], []
-  with open(os.path.join(tmp, "token"), "w") as f:
-    f.write("t\n")
-  for k in range(n):
-    pf = os.path.join(tmp, f"port{k}")
-    srv.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "param_server.py"), "--port=0", f"--port_file={pf}",
-                                 f"--token_file={tmp}/token"], env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                                stderr=subprocess.DEVNULL))
-    while not os.path.exists(pf) or not open(pf).read().strip():
-      time.sleep(0.1)
-    addrs.append(f"127.0.0.1:{open(pf).read().strip()}")
-  return srv, addrs
+@contextlib.contextmanager
+def start_servers(n, prefix):
+  """n param_server.py processes (token "t") in a fresh temp dir; yields (that dir, ["127.0.0.1:port", ...]),
+  then stops them and removes the dir."""
+  tmp, srv, addrs = tempfile.mkdtemp(prefix=prefix), [], []
+  try:
+    with open(os.path.join(tmp, "token"), "w") as f:
+      f.write("t\n")
+    for k in range(n):
+      p, port = benchutil.start_server(os.path.join(tmp, f"port{k}"), "--port=0", f"--token_file={tmp}/token",
+                                       env=dict(os.environ, JAX_PLATFORMS="cpu"), stderr=subprocess.DEVNULL)
+      srv.append(p)
+      addrs.append(f"127.0.0.1:{port}")
+    yield tmp, addrs
+  finally:
+    for p in srv:
+      p.terminate()
+      p.wait()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def delta_bench(a):
@@ -216,9 +207,7 @@ def delta_bench(a):
   import optax
   import model
   import shards
-  tmp = tempfile.mkdtemp(prefix="bench_delta_")
-  srv, addrs = start_servers(tmp, 1)
-  try:
+  with start_servers(1, "bench_delta_") as (_, addrs):
     cfg = model.Config.from_hf_dict(cfg_hf(a))
     params = model.init_params(cfg, jax.random.PRNGKey(0))
     n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -277,9 +266,8 @@ def delta_bench(a):
             f"{100 * d['changed_bytes'] / max(d['covered_bytes'], 1):.2f}% of bytes; full pull {f['bytes'] / 2**20:.1f}"
             f" MiB {f['s']:.2f} s; delta pull {d['bytes'] / 2**20:.2f} MiB ({100 * d['bytes'] / d['full_bytes']:.2f}%)"
             f" {d['s']:.2f} s incl. server build, {d2['s']:.2f} s cached; encodings {d['pieces']}; bit-identical")
-    print(f"\n| version | changed bytes | delta bytes / full | full pull | delta pull (1st, builds) | "
-          f"delta pull (cached) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| version | changed bytes | delta bytes / full | full pull | delta pull (1st, builds) | "
+          "delta pull (cached) |\n|---|---|---|---|---|---|")
     for r in rows[1:]:
       f, d, d2 = r["full"], r["delta"], r["delta2"]
       print(f"| v{r['version'] - 1}->v{r['version']} | {100 * d['changed_bytes'] / max(d['covered_bytes'], 1):.2f}% | "
@@ -287,11 +275,6 @@ def delta_bench(a):
             f" | {f['s']:.2f} s | {d['s']:.2f} s | {d2['s']:.2f} s |")
     print("\nanchors (verl, reported): 1-3% changed bytes per step for dense models; Qwen3-235B delta sync 11-15 s "
           "vs 246-266 s full NCCL broadcast")
-  finally:
-    for p in srv:
-      p.terminate()
-      p.wait()
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def project(publish_conn_bps, serve_bps, pull_bps):

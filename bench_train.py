@@ -10,8 +10,7 @@ What is measured, in one run:
          [--algo] (GRPO by default; --kl_coef > 0 adds the frozen reference forward, as the trainer does) on a
          synthetic batch from learner.rl_batch: B/G groups of G completions, prompts of T/2 and completions of T/2
          random tokens, so every row is exactly T tokens (no padding).  Compile is excluded (one warm-up step,
-         reported as compile_s, compile included); best and median of --steps steps, each ended by a host
-         sync on its outputs.
+         reported as compile_s); best and median of --steps steps, each ended by a host sync on its outputs.
 Model FLOPs per step (the MFU convention of PaLM, arXiv 2204.02311, App. B: matmuls only, no recompute):
   per-token forward  f = 2 * (L * (D*N*H + 2*D*K*H + N*H*D + 3*D*F) + D*V) + 4 * L * N*H * T
                      (QKV/O and SwiGLU projections, the lm head, and QK^T plus PV over all T keys: the jnp
@@ -20,8 +19,7 @@ Model FLOPs per step (the MFU convention of PaLM, arXiv 2204.02311, App. B: matm
 achieved FLOP/s = model FLOPs / best step time; fraction = achieved / measured peak.  Also tokens/s (B*T / s).
   torch  the same step in PyTorch eager (torch_reference: transformers' Qwen2 on the same weights, reference
          forward, PPO-clip + k3 KL, seq-mean-token-mean, clip 1.0, AdamW) at each --torch_threads count, timed
-         after ours; speed_vs_torch = its best time / ours (> 1: ours faster). Needs torch + transformers
-         (requirements-dev.txt).
+         after ours; speed_vs_torch = its best time / ours (> 1: ours faster). Needs requirements-dev.txt.
 
   python bench_train.py                                  # defaults: D=256, L=4, V=2048, B=16, T=128
   python bench_train.py --batch=32 --seq_len=256 --json=train.json
@@ -232,10 +230,8 @@ def memory_table(a, cfg, lcfg, optimizer, params, opt_state, ref_params, n_param
         f"{a.batch} x T, {a.algo} kl_coef={lcfg.kl_coef}; MiB of temporaries per token of the compiled step")
   print(f"{'T':>6} {'plain':>9} {'remat':>9} {'chunk ' + str(a.logprob_chunk):>11} {'both':>9}  plain/both")
   for T in (int(x) for x in a.memory_seq_lens.split(",")):
-    batch = {k: jax.ShapeDtypeStruct((a.batch, T), jnp.float32 if k in ("loss_mask", "behaviour_logp",
-                                                                        "token_rewards") else jnp.int32)
-             for k in learner.BATCH_KEYS if k != "advantages"}
-    batch["advantages"] = jax.ShapeDtypeStruct((a.batch,), jnp.float32)
+    batch = {k: jax.ShapeDtypeStruct((a.batch,) if k == "advantages" else (a.batch, T), dt)
+             for k, dt in learner.BATCH_KEYS.items()}
     per = []
     for remat, chunk in ((False, 0), (True, 0), (False, a.logprob_chunk), (True, a.logprob_chunk)):
       fn = lambda p, r, b, remat=remat, chunk=chunk: learner.rl_loss(  # noqa: E731
