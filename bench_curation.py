@@ -67,7 +67,8 @@ def main(argv):
         "the previous row; pass@k +- one standard error over held-out problems)")
   for run, (pts, recs) in data.items():
     prev = 0
-    cur = [r for r in recs if "curation_kept" in r]
+    # The curation record (step 0) trains nothing, so final_records leaves it out: read it from the file.
+    cur = [r for r in plot.read_jsonl(os.path.join(run, "metrics.jsonl")) if "curation_kept" in r]
     for step, e in pts:
       print(f"{os.path.basename(os.path.normpath(run)):<24} {step:>5} {mean_reward(recs, prev, step):>7.3f} "
             f"{100 * e['pass@1']:>6.1f} +-{100 * e.get('pass@1_se', 0):>4.1f}% "
