@@ -44,9 +44,8 @@ def lr_schedule_fn(lr, warmup, total):
 
 
 def make_optimizer(lr, warmup, total, weight_decay, grad_clip):
-  sched = lr_schedule_fn(lr, warmup, total)
-  return optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(sched, b1=0.9, b2=0.95,
-                                                                        weight_decay=weight_decay))
+  return optax.chain(optax.clip_by_global_norm(grad_clip),
+                     optax.adamw(lr_schedule_fn(lr, warmup, total), b1=0.9, b2=0.95, weight_decay=weight_decay))
 
 
 def _microbatches(batch, n):
@@ -117,19 +116,15 @@ def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dty
     values = value_head(trainable["value"], h)
     adv, returns = losses.gae(batch["token_rewards"], batch.get("old_values", jax.lax.stop_gradient(values)), mask,
                               gae_gamma, gae_lambda)
-    if value_clip > 0 and "old_values" in batch:
-      extra["value_loss"], extra["value_clip_frac"] = losses.value_loss(
-          values, returns, mask, old_values=batch["old_values"], clip=value_clip, with_clip_frac=True)
-    else:
-      extra["value_loss"] = losses.value_loss(values, returns, mask)
-      if value_clip > 0:  # one update per batch: V_old = V, nothing can be clipped
-        extra["value_clip_frac"] = jnp.zeros((), jnp.float32)
+    clip = value_clip if value_clip > 0 and "old_values" in batch else None
+    extra["value_loss"], frac = losses.value_loss(values, returns, mask, old_values=batch.get("old_values"),
+                                                  clip=clip, with_clip_frac=True)
+    if value_clip > 0:  # without old_values (one update per batch) V_old = V: nothing can be clipped, frac is 0
+      extra["value_clip_frac"] = frac
   # Truncated IS needs a proximal policy: with one update per batch that is the current policy (ratio 1 inside
   # the clip), so the correction is the IS weight min(pi / mu, cap) on the behaviour samples.
-  if "prox_logp" in batch:
-    prox = batch["prox_logp"]
-  else:
-    prox = jax.lax.stop_gradient(logp) if lcfg.tis_cap is not None else None
+  prox = (batch["prox_logp"] if "prox_logp" in batch else
+          jax.lax.stop_gradient(logp) if lcfg.tis_cap is not None else None)
   loss, m = losses.policy_loss(lcfg, logp, batch["behaviour_logp"], adv, mask, ref_logp=ref_logp,
                                prox_logp=prox, entropy=ent)
   if extra:
@@ -147,12 +142,11 @@ def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dty
 
 def make_train_step(optimizer, loss_fn, grad_accum, *, epochs=1, minibatches=1, prox_fn=None):
   """One trainer step on a batch. epochs x minibatches optimizer updates (PPO epochs, as verl/OpenRLHF/TRL);
-  with more than one update, prox_fn(params, batch) -> dict of [B,T] arrays (train.proximal: "prox_logp" and, with
-  a value head, "old_values") is called once before the first update (one fresh forward, no gradient) and added
-  to the batch: the fixed proximal policy of the clip and V_old, while the worker's behaviour log-probs stay in the
-  batch for TIS (decoupled PPO / AReaL). With 1 x 1 the update is the plain one (ratio pi_theta / mu). The updates
-  are unrolled (epochs * minibatches copies in the compiled step, each a grad_accum scan); metrics are the mean over
-  updates; clip_frac/ratio_min/ratio_max(/value_clip_frac)_last are the last update's."""
+  with more than one update, prox_fn(params, batch) (e.g. proximal) is called once before the first update and
+  its arrays added to the batch: the fixed proximal policy of the clip and V_old, while the worker's behaviour
+  log-probs stay in the batch for TIS (decoupled PPO / AReaL). With 1 x 1 the update is the plain one (ratio
+  pi_theta / mu). The updates are unrolled (epochs * minibatches copies in the compiled step, each a grad_accum
+  scan); metrics are the mean over updates; clip_frac/ratio_min/ratio_max(/value_clip_frac)_last are the last's."""
   if epochs < 1 or minibatches < 1:
     raise ValueError(f"make_train_step: epochs={epochs} and minibatches={minibatches} must be >= 1")
   update = _make_update(optimizer, loss_fn, grad_accum)
@@ -170,9 +164,8 @@ def make_train_step(optimizer, loss_fn, grad_accum, *, epochs=1, minibatches=1, 
         params, opt_state, m = update(params, opt_state, ref_params, jax.tree.map(lambda x: x[i], mbs))
         ms.append(m)
     m = jax.tree.map(lambda *xs: sum(xs) / len(xs), *ms)
-    for k in ("clip_frac", "ratio_min", "ratio_max", "value_clip_frac"):  # the last update's, where clips act most
-      if k in m:
-        m[k + "_last"] = ms[-1][k]
+    last = ("clip_frac", "ratio_min", "ratio_max", "value_clip_frac")  # the last update's, where clips act most
+    m.update({k + "_last": ms[-1][k] for k in last if k in m})
     return params, opt_state, m
   return step
 
@@ -190,26 +183,23 @@ def _make_update(optimizer, loss_fn, grad_accum):
     (g, loss, m), _ = jax.lax.scan(micro, zero, mbs)
     g, loss, m = jax.tree.map(lambda x: x / grad_accum, (g, loss, m))
     updates, opt_state = optimizer.update(g, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, dict(m, loss=loss, grad_norm=optax.tree.norm(g))
+    return optax.apply_updates(params, updates), opt_state, dict(m, loss=loss, grad_norm=optax.tree.norm(g))
   return step
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Checkpoints: orbax, sharded and asynchronous. <run_dir>/ckpt/<step>/{params,opt,state}; orbax writes the
-# step's commit marker last, so a checkpoint is either complete or ignored.
+# Checkpoints (<run_dir>/ckpt/<step>/{params,opt,state}) and the HF export
 
 
 class Checkpointer:
   """Sharded, asynchronous, elastic checkpoints (orbax-checkpoint, as MaxText and Tunix use).
-
   Each process writes only its own shards of params and optimizer state (OCDBT/tensorstore); save() returns
-  once the shards are copied to host and training goes on while they are written; a step directory becomes
-  a checkpoint only when orbax has committed it (written last, after every process finished). restore()
-  reads onto whatever mesh / process count the `like` arrays have (written by 4 processes fsdp=4, resumed by
-  2 or 1). The run state (step, cursor, pass rates, consumed ids, version) is a JSON item of the same step.
-  Why orbax: it is the JAX ecosystem's multi-host checkpointer; a hand-rolled per-process writer would have to
-  redo its resharding reads and its cross-process commit protocol.
+  once the shards are copied to host and training goes on while they are written; a step directory becomes a
+  checkpoint only when orbax has committed it (its marker written last, after every process finished), so a
+  checkpoint is either complete or ignored. restore() reads onto whatever mesh / process count the `like` arrays
+  have (written by 4 processes fsdp=4, resumed by 2 or 1). The run state (step, cursor, pass rates, consumed ids,
+  version) is a JSON item of the same step. Why orbax: it is the JAX ecosystem's multi-host checkpointer; a
+  hand-rolled per-process writer would have to redo its resharding reads and its cross-process commit protocol.
   """
 
   def __init__(self, ckpt_dir, keep):
@@ -340,10 +330,6 @@ def to_global(host_tree, sharding):
   return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx]), host_tree)
 
 
-def place_params(params_np, cfg, mesh):
-  return model.shard_params(jax.tree.map(jnp.asarray, params_np), cfg, mesh)
-
-
 def buckets_for(max_len):
   """Padded batch lengths: data.BUCKETS, extended (x2) until max_len fits, so 8k-32k sequences get a bucket
   (compiled shapes stay few: one per power of two)."""
@@ -385,9 +371,7 @@ def rl_batch(groups, lcfg, pad_id, buckets, max_new_tokens):
                       completion_extras={"behaviour_logp": blp, "token_rewards": tok_r})
   adv = np.asarray(losses.config_advantages(lcfg, jnp.asarray(rewards), jnp.asarray(lengths))).reshape(-1) \
       if lcfg.advantage != "gae" else np.zeros(len(prompts))  # gae: computed in the step from the value head
-  batch = {k: b[k] for k in BATCH_KEYS if k != "advantages"}
-  batch["advantages"] = adv.astype(np.float32)
-  return batch, rewards, lengths
+  return dict({k: b[k] for k in BATCH_KEYS if k != "advantages"}, advantages=adv.astype(np.float32)), rewards, lengths
 
 
 class Metrics:

@@ -87,8 +87,7 @@ class RolloutLedger:
     batch had re-issued (the caller un-counts them: the re-issue repeats, deduplicated by id)."""
     if self.batch:
       client.requeue("rollouts", self.batch)
-    n = self.reissued
-    self.batch, self.reissued = [], 0
+    n, self.batch, self.reissued = self.reissued, [], 0
     return n
 
   def state_dict(self):

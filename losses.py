@@ -136,10 +136,7 @@ def chunked_token_logprobs(hidden, unembed, targets, chunk, temperature=1.0):
     raise ValueError(f"chunked_token_logprobs: targets {targets.shape} must be [B,T] = {(B, T)}")
   if not isinstance(chunk, int) or chunk <= 0:
     raise ValueError(f"chunked_token_logprobs: chunk must be a positive int, got {chunk!r}")
-  if callable(unembed):
-    project = unembed
-  else:
-    project = lambda h: jnp.einsum("bcd,dv->bcv", h, unembed)
+  project = unembed if callable(unembed) else lambda h: jnp.einsum("bcd,dv->bcv", h, unembed)
   pad = (-T) % chunk
   n = (T + pad) // chunk
   h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, D).swapaxes(0, 1)  # [n,B,C,D]
@@ -310,8 +307,7 @@ def aggregate(x, mask, mode, max_tokens=None):
   if mode == "seq_mean_token_mean":
     return jnp.sum(jnp.sum(xm, axis=-1) / jnp.maximum(n_tok, 1)) / n_seq
   if mode == "seq_mean_token_sum":
-    denom = x.shape[1] if max_tokens is None else max_tokens
-    return jnp.sum(xm) / (n_seq * denom)
+    return jnp.sum(xm) / (n_seq * (x.shape[1] if max_tokens is None else max_tokens))
   raise ValueError(f"aggregate: mode {mode!r} not in {AGG_MODES}")
 
 
@@ -399,32 +395,24 @@ class LossConfig:
   overlong_buffer_frac: float | None = None
 
   def __post_init__(self):
-    def bad(field, allowed):
-      raise ValueError(f"LossConfig.{field} = {getattr(self, field)!r}, expected {allowed}")
+    nonneg = lambda v: 0 <= v  # noqa: E731
+    optional = lambda ok: lambda v: v is None or ok(v)  # noqa: E731
     choices = dict(policy_loss=tuple(POLICY_LOSSES), advantage=ADVANTAGE_ESTIMATORS + ("gae",), agg=AGG_MODES,
                    kl_estimator=KL_ESTIMATORS, kl_mode=("loss", "reward"), tis_level=("token", "sequence"))
-    for field, allowed in choices.items():
-      if getattr(self, field) not in allowed:
-        bad(field, f"one of {allowed}")
-    for field in ("eps_low", "eps_high", "cispo_eps_high"):
-      if not 0 <= getattr(self, field):
-        bad(field, "a number >= 0")
-    if not self.eps_low < 1:
-      bad("eps_low", "< 1 (the lower clip bound 1 - eps_low must stay positive)")
-    if self.cispo_eps_low is not None and not 0 <= self.cispo_eps_low <= 1:
-      bad("cispo_eps_low", "None or in [0, 1]")
-    if self.dual_clip_c is not None and not self.dual_clip_c > 1:
-      bad("dual_clip_c", "None or > 1")
-    for field in ("tis_cap", "mask_ratio_cap"):
-      if getattr(self, field) is not None and not getattr(self, field) > (0 if field == "tis_cap" else 1):
-        bad(field, "None or > 0" if field == "tis_cap" else "None or > 1")
-    if self.max_tokens is not None and not (isinstance(self.max_tokens, int) and self.max_tokens > 0):
-      bad("max_tokens", "None or a positive int")
-    if self.overlong_buffer_frac is not None and not 0 < self.overlong_buffer_frac <= 1:
-      bad("overlong_buffer_frac", "None or in (0, 1]")
-    for field in ("kl_coef", "entropy_coef", "adv_eps"):
-      if not 0 <= getattr(self, field):
-        bad(field, "a number >= 0")
+    # (field, ok, expected), checked in this order: the first failure is the error.
+    checks = [(f, lambda v, a=allowed: v in a, f"one of {allowed}") for f, allowed in choices.items()]
+    checks += [(f, nonneg, "a number >= 0") for f in ("eps_low", "eps_high", "cispo_eps_high")] + [
+        ("eps_low", lambda v: v < 1, "< 1 (the lower clip bound 1 - eps_low must stay positive)"),
+        ("cispo_eps_low", optional(lambda v: 0 <= v <= 1), "None or in [0, 1]"),
+        ("dual_clip_c", optional(lambda v: v > 1), "None or > 1"),
+        ("tis_cap", optional(lambda v: v > 0), "None or > 0"),
+        ("mask_ratio_cap", optional(lambda v: v > 1), "None or > 1"),
+        ("max_tokens", optional(lambda v: isinstance(v, int) and v > 0), "None or a positive int"),
+        ("overlong_buffer_frac", optional(lambda v: 0 < v <= 1), "None or in (0, 1]")]
+    checks += [(f, nonneg, "a number >= 0") for f in ("kl_coef", "entropy_coef", "adv_eps")]
+    for field, ok, allowed in checks:
+      if not ok(getattr(self, field)):
+        raise ValueError(f"LossConfig.{field} = {getattr(self, field)!r}, expected {allowed}")
 
 
 # Each entry is the combination its paper describes (KL coefficients are the papers' where they use one; set

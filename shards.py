@@ -39,10 +39,8 @@ import param_server
 
 def flat_leaves(tree):
   """Pytree of dicts -> {"a/b/c": leaf}: the names tensors travel under (same as param_server.flatten)."""
-  out = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    out["/".join(str(getattr(k, "key", k)) for k in path)] = leaf
-  return out
+  return {"/".join(str(getattr(k, "key", k)) for k in path): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _index(idx, shape):
@@ -208,9 +206,8 @@ def _get(conn, version, base, jobs):
   """One server's part of a pull: ([(job, array)] pulled in full, [(job, delta reply)])."""
   plain = [j for j in jobs if "base_crc" not in j[0]]
   delta = [j for j in jobs if "base_crc" in j[0]]
-  full = list(zip(plain, conn.fetch(version, [r for r, _ in plain]))) if plain else []
-  got = list(zip(delta, conn.delta(version, base[0]["version"], [r for r, _ in delta]))) if delta else []
-  return full, got
+  return (list(zip(plain, conn.fetch(version, [r for r, _ in plain]))) if plain else [],
+          list(zip(delta, conn.delta(version, base[0]["version"], [r for r, _ in delta]))) if delta else [])
 
 
 def _apply(r, buf, dest):

@@ -8,13 +8,12 @@ Design:
   * The loop (run_rl) reads as named steps: collect -> batch -> step -> publish -> checkpoint -> log.
   * Exactly once (ledger.py): a rollout is acked only after a checkpoint that records it commits; SIGTERM
     mid-collection hands the partial batch back; a restarted trainer skips the ids its checkpoint holds.
-  * Precision: fp32 master weights in the optimizer; --param_dtype=bfloat16 casts them for the forward and for
-    the workers.  Log-probs, softmax and the loss are fp32 (model.py / losses.py).
+  * Precision (learner.py): fp32 master weights; --param_dtype=bfloat16 casts them for the forward and the workers.
   * Weights are published without gathering (shards.publish): each process stages its own shards on its shard
     server (--shard_servers), process 0 commits the manifest last; workers reshard on pull.
-  * Checkpoints (params, optimizer state, step, data cursor, seed, consumed ids, pass-rate table, version) are
-    orbax, sharded and asynchronous (learner.Checkpointer), every --checkpoint_every steps and on SIGTERM; they
-    restore onto another mesh / process count. The final HF export gathers one tensor at a time.
+  * Checkpoints (params, optimizer state, step, data cursor, seed, consumed ids, pass-rate table, version):
+    learner.Checkpointer (orbax, sharded, asynchronous, restores onto another mesh / process count), every
+    --checkpoint_every steps and on SIGTERM. The final HF export gathers one tensor at a time.
   * The step, batches, checkpoints and export are a library (learner.py) that tests and benches import; this
     file is the script: flags, the SFT warm-start, the RL loop.
   * --mode=sft is the supervised warm-start that builds the demo's base policy (an HF checkpoint dir); with
@@ -145,25 +144,22 @@ def define_flags():
   # Bad values fail at flag parsing, before any work starts (issue 15), with the flag and its value named.
   at_least = lambda n: (lambda v: v >= n)  # noqa: E731
   positive = lambda v: math.isfinite(v) and v > 0  # noqa: E731
+  nonneg = lambda v: math.isfinite(v) and v >= 0  # noqa: E731
   for name, ok, rule in (
       ("steps", at_least(1), ">= 1"), ("prompts_per_step", at_least(1), ">= 1"), ("group_size", at_least(1), ">= 1"),
       ("prefetch_steps", at_least(1), ">= 1 (0 issues no prompts: the trainer would wait forever)"),
       ("grad_accum", at_least(1), ">= 1"), ("push_every", at_least(1), ">= 1"),
       ("checkpoint_every", at_least(1), ">= 1"), ("keep_checkpoints", at_least(1), ">= 1"),
-      ("warmup_steps", at_least(0), ">= 0"),
-      ("sft_steps", at_least(1), ">= 1"), ("sft_batch", at_least(1), ">= 1"), ("train_size", at_least(1), ">= 1"),
-      ("difficulty", at_least(1), ">= 1"),
+      ("warmup_steps", at_least(0), ">= 0"), ("sft_steps", at_least(1), ">= 1"), ("sft_batch", at_least(1), ">= 1"),
+      ("train_size", at_least(1), ">= 1"), ("difficulty", at_least(1), ">= 1"),
       ("temperature", positive, "finite and > 0"), ("lr", positive, "finite and > 0"),
       ("sft_lr", positive, "finite and > 0"), ("get_wait_s", positive, "finite and > 0"),
       ("rollout_lease_s", positive, "finite and > 0"), ("grad_clip", positive, "finite and > 0"),
-      ("weight_decay", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
-      ("sft_target_loss", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0 (0 = off)"),
-      ("sft_slip", lambda v: 0 <= v < 1, "in [0, 1)"),
-      ("value_coef", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
-      ("value_clip", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0 (0 = off)")):
+      ("weight_decay", nonneg, "finite and >= 0"), ("sft_target_loss", nonneg, "finite and >= 0 (0 = off)"),
+      ("sft_slip", lambda v: 0 <= v < 1, "in [0, 1)"), ("value_coef", nonneg, "finite and >= 0"),
+      ("value_clip", nonneg, "finite and >= 0 (0 = off)"), ("export_every", at_least(0), ">= 0 (0 = off)"),
+      ("curate_prompts", at_least(0), ">= 0 (0 = off)")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
-  flags.register_validator("export_every", lambda v: v >= 0, message="--export_every must be >= 0 (0 = off)")
-  flags.register_validator("curate_prompts", lambda v: v >= 0, message="--curate_prompts must be >= 0 (0 = off)")
   flags.register_validator("pass_band", lambda v: learner.parse_band(v) is not None or not v,
                            message="--pass_band must be 'low,high' with 0 <= low < high <= 1, or empty (off)")
   flags.register_multi_flags_validator(
@@ -175,45 +171,25 @@ def define_flags():
               "would be dropped and the trainer would wait forever)")
 
 
-
-def problems_for_training():
-  if FLAGS.train_jsonl:
-    return data.load_jsonl(FLAGS.train_jsonl, FLAGS.jsonl_shape)
-  return data.make_task_problems(FLAGS.task, FLAGS.train_size, FLAGS.difficulty, seed=FLAGS.seed, split="train",
-                                 ops=FLAGS.ops)
-
-
-def prompt_encoder(tok):
-  """problem -> prompt token ids with --template applied (one place, used for length checks and prompt items)."""
-  chat = data.load_chat_template(FLAGS.tokenizer) if FLAGS.template == "hf" else None
-  return lambda p: tok.encode(data.render_prompt(p, FLAGS.template, chat_template=chat), add_bos=True)
-
-
-def seq_budget(cfg):
-  """Longest prompt + completion the run allows: --max_seq_len, capped by the checkpoint's positions."""
-  return min(FLAGS.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-
-
-def write_flags_once(run_dir, name="flags.json"):
-  """The run's flags, saved once (a resumed run keeps the first record)."""
-  path = os.path.join(run_dir, name)
-  if not os.path.exists(path):
-    vals = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
-    fileio.write_atomic(path, json.dumps(vals, indent=1, sort_keys=True, default=str))
-
-
 def training_prompts(cfg, tok, flags_file):
   """(encode, the training prompts that fit, the longest kept prompt's length, batch buckets); saves the run's
-  flags once (process 0). A prompt that cannot fit is refused here (logged with file:line), never handed to a
-  worker."""
-  encode = prompt_encoder(tok)
-  problems, skipped, max_prompt = data.fit_prompts(problems_for_training(), encode, FLAGS.max_new_tokens,
-                                                   seq_budget(cfg))
+  flags once (process 0; a resumed run keeps the first record). encode: problem -> prompt token ids with --template
+  applied. A prompt that cannot fit in --max_seq_len (capped by the checkpoint's positions) is refused here (logged
+  with file:line), never handed to a worker."""
+  chat = data.load_chat_template(FLAGS.tokenizer) if FLAGS.template == "hf" else None
+  encode = lambda p: tok.encode(data.render_prompt(p, FLAGS.template, chat_template=chat), add_bos=True)  # noqa: E731
+  problems = (data.load_jsonl(FLAGS.train_jsonl, FLAGS.jsonl_shape) if FLAGS.train_jsonl else
+              data.make_task_problems(FLAGS.task, FLAGS.train_size, FLAGS.difficulty, seed=FLAGS.seed, split="train",
+                                      ops=FLAGS.ops))
+  budget = min(FLAGS.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+  problems, skipped, max_prompt = data.fit_prompts(problems, encode, FLAGS.max_new_tokens, budget)
   if not problems:
-    raise app.UsageError(f"no training prompt fits: all {len(skipped)} exceed max_seq_len {seq_budget(cfg)} - "
+    raise app.UsageError(f"no training prompt fits: all {len(skipped)} exceed max_seq_len {budget} - "
                          f"max_new_tokens {FLAGS.max_new_tokens}")
-  if jax.process_index() == 0:
-    write_flags_once(FLAGS.run_dir, flags_file)
+  path = os.path.join(FLAGS.run_dir, flags_file)
+  if jax.process_index() == 0 and not os.path.exists(path):
+    vals = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
+    fileio.write_atomic(path, json.dumps(vals, indent=1, sort_keys=True, default=str))
   return encode, problems, max_prompt, learner.buckets_for(max_prompt + FLAGS.max_new_tokens)
 
 
@@ -226,21 +202,19 @@ def setup_mesh():
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=FLAGS.coordinator, num_processes=FLAGS.num_processes,
                                process_id=FLAGS.process_id)
-  dims = learner.parse_mesh(FLAGS.mesh, jax.device_count())
-  return model.make_mesh(*dims, devices=jax.devices())
+  return model.make_mesh(*learner.parse_mesh(FLAGS.mesh, jax.device_count()), devices=jax.devices())
 
 
 def run_sft():
   mesh = setup_mesh()
   tok = data.load_tokenizer(FLAGS.tokenizer)
   shape = {k: int(v) for k, v in (kv.split("=") for kv in FLAGS.model_config.split(","))}
-  hf = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=tok.vocab_size,
-            hidden_size=shape["d_model"], num_hidden_layers=shape["n_layers"],
-            num_attention_heads=shape["n_heads"], num_key_value_heads=shape["n_kv_heads"],
-            intermediate_size=shape["ffw_dim"], max_position_embeddings=512, rope_theta=10000.0,
-            rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-            hidden_act="silu", torch_dtype="float32")
-  cfg = model.Config.from_hf_dict(hf)
+  cfg = model.Config.from_hf_dict(dict(
+      model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=tok.vocab_size,
+      hidden_size=shape["d_model"], num_hidden_layers=shape["n_layers"], num_attention_heads=shape["n_heads"],
+      num_key_value_heads=shape["n_kv_heads"], intermediate_size=shape["ffw_dim"], max_position_embeddings=512,
+      rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=tok.bos_id,
+      eos_token_id=tok.eos_id, hidden_act="silu", torch_dtype="float32"))
   jax.set_mesh(mesh)
   params = model.shard_params(model.init_params(cfg, jax.random.PRNGKey(FLAGS.seed)), cfg, mesh)
   opt = learner.make_optimizer(FLAGS.sft_lr, FLAGS.warmup_steps, FLAGS.sft_steps, FLAGS.weight_decay, FLAGS.grad_clip)
@@ -268,8 +242,7 @@ def run_sft():
     probs = stream.take(FLAGS.sft_batch)
     b = data.make_batch([tok.encode(data.render_prompt(p, FLAGS.template), add_bos=True) for p in probs],
                         [tok.encode(learner.teacher_completion(p, FLAGS.sft_slip, teacher_rng)) + [tok.eos_id]
-                         for p in probs],
-                        buckets, tok.pad_id)
+                         for p in probs], buckets, tok.pad_id)
     b = {k: b[k].astype(np.float32 if k == "loss_mask" else np.int32) for k in ("tokens", "targets", "positions",
                                                                                "segment_ids", "loss_mask")}
     params, opt_state, loss = step(params, opt_state, learner.to_global(b, bsh))
@@ -296,11 +269,10 @@ def init_learner(mesh, cfg, init):
   lcfg = learner.loss_config(losses.ALGORITHMS[FLAGS.algo], FLAGS.loss_override, FLAGS.max_new_tokens)
   compute_dtype = jnp.dtype(FLAGS.param_dtype)
   optimizer = learner.make_optimizer(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps, FLAGS.weight_decay, FLAGS.grad_clip)
-  policy = learner.place_params(init, cfg, mesh)  # fp32 master weights
+  policy = model.shard_params(jax.tree.map(jnp.asarray, init), cfg, mesh)  # fp32 master weights
   # PPO's value head (only when the advantage estimator is GAE): a linear map of the final hidden state.
-  value = (dict(w=jnp.zeros((cfg.d_model,), jnp.float32), b=jnp.zeros((), jnp.float32))
-           if lcfg.advantage == "gae" else None)
-  params = dict(policy=policy, value=value)
+  params = dict(policy=policy, value=dict(w=jnp.zeros((cfg.d_model,), jnp.float32), b=jnp.zeros((), jnp.float32))
+                if lcfg.advantage == "gae" else None)
   # optax may hand out one buffer for several state leaves (e.g. step counts); copies make donation safe.
   opt_state = jax.tree.map(jnp.copy, optimizer.init(params))
   # The frozen reference policy for the KL term (in the loss or in the reward); a real copy, since astype to the
@@ -347,16 +319,16 @@ def weights_lost(servers, version):
 def checkpoint(ckpt, collector, state, params, opt_state, final=False):
   """Waits for the previous checkpoint's commit and acks what it recorded, then starts writing this step's
   (each process its own shards, asynchronously); final=True also waits for this one and acks it."""
-  lead = jax.process_index() == 0
-  ckpt.wait()
-  if lead:
-    collector.committed()
+  def commit():
+    ckpt.wait()
+    if jax.process_index() == 0:
+      collector.committed()
+
+  commit()
   if ckpt.save(state["step"], params, opt_state, dict(state, **collector.state_dict())):
     collector.saved()
   if final:
-    ckpt.wait()
-    if lead:
-      collector.committed()
+    commit()
 
 
 def curate(collector, stop, metrics):
