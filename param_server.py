@@ -53,7 +53,8 @@ Design choices:
   - Failed items: FAIL counts failures per leased item; after max_failures the item is quarantined (removed,
     recorded in the log) and a notice is put in "<queue>.failed" for the producer.
   - Auth: push, stage, commit, staged with keep (it collects versions), put, get (it leases), ack, requeue, fail
-    and auth need the shared token (hmac.compare_digest); the other reads do not. The server binds 127.0.0.1 unless told otherwise.
+    and auth need the shared token (hmac.compare_digest); the other reads do not. The server binds 127.0.0.1
+    unless told otherwise.
 
 Sharded mode (a pod: S shard servers, one per trainer host; the JAX side is shards.py):
   STAGE    one piece of a tensor (a trainer shard, tagged with its global slice [[start, stop], ...], version and
