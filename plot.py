@@ -69,11 +69,12 @@ def balance(records):
               workers_to_match=step_tokens / max(capacity * (med("step_s") + med("push_s")), 1e-9))
 
 
-def plot(run_dir, out=None):
+def plot(run_dir, out=None, records=None):
+  """records: metrics.jsonl already read (main reads it once, so a cut line is reported once)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  recs = final_records(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
+  recs = final_records(read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if records is None else records)
   if not recs:
     raise ValueError(f"plot.py: no step records in {os.path.join(run_dir, 'metrics.jsonl')}")
   events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
@@ -124,10 +125,11 @@ def main(argv):
     return 2
   run_dir = argv[1]
   out = next((a.split("=", 1)[1] for a in argv[2:] if a.startswith("--out=")), None)
-  chk = exactly_once(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
+  records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+  chk = exactly_once(records)
   print(f"trained rollouts: {chk['rollouts']} in {chk['steps']} steps; twice-trained: {chk['twice_trained']}; "
         f"missing steps: {len(chk['missing_steps'])}; step records rewritten after a restart: {chk['redone_steps']}")
-  b = balance(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
+  b = balance(records)
   if b:  # which side to grow: docs/GUIDE.md "Sizing workers against the trainer"
     print(f"balance (median of {b['steps']} steps): trainer waits for rollouts {100 * b['trainer_wait_frac']:.0f}% of "
           f"a step; workers ({b['workers']:.0f} sending per step) decode {100 * b['worker_busy_frac']:.0f}% of the "
@@ -135,7 +137,7 @@ def main(argv):
           f"workers that would keep the trainer busy: {b['workers_to_match']:.1f}")
   for e in read_jsonl(os.path.join(run_dir, "events.jsonl")):
     print(f"  preemption: step {e['step']}: {e['role']} {e['event']} (pid {e['pid']})")
-  print(f"curves: {plot(run_dir, out)}")
+  print(f"curves: {plot(run_dir, out, records)}")
   return 0
 
 

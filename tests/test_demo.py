@@ -52,7 +52,7 @@ def test_stream_peek_is_what_will_be_issued_and_does_not_advance():
   assert [p.id for p in s.take(4)] == [p.id for p in ahead]
 
 
-def test_plot_draws_png_and_counts_twice_trained_rollouts(tmp_path):
+def test_plot_draws_png_and_counts_twice_trained_rollouts(tmp_path, capsys):
   recs = [dict(step=s, reward=s / 10, kl=0.0, entropy=1.0, completion_len=3.0, staleness_mean=0.0,
                staleness_max=0, rollout_ids=[f"s{2 * s}", f"s{2 * s + 1}"]) for s in range(1, 11)]
   recs.insert(0, dict(step=0, curation_prompts=4, curation_kept=2))
@@ -67,6 +67,9 @@ def test_plot_draws_png_and_counts_twice_trained_rollouts(tmp_path):
   assert plot.exactly_once(recs)["twice_trained"] == 1
   out = plot.plot(str(tmp_path))
   assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(out) < 200_000
+  capsys.readouterr()
+  assert plot.main(["plot.py", str(tmp_path)]) == 0  # the whole report reads metrics.jsonl once:
+  assert capsys.readouterr().err.count("skipped unreadable line") == 1  # the cut line is reported once
 
 
 def test_balance_says_how_many_workers_keep_the_trainer_busy():
