@@ -299,5 +299,5 @@ class Collector:
             logging.error("%s; curation rollout skipped", e)
         self.client.ack("rollouts", [it["id"]])
     bar.close()
-    rated = [p for p in cand if self.tracker.rate(p.id) is not None]  # all but malformed rollouts' prompts
-    return rated, {p.id: self.tracker.rate(p.id) for p in rated}
+    rates = {p.id: r for p in cand if (r := self.tracker.rate(p.id)) is not None}  # not malformed rollouts' prompts
+    return [p for p in cand if p.id in rates], rates

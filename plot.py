@@ -69,15 +69,16 @@ def balance(records):
               workers_to_match=step_tokens / max(capacity * (med("step_s") + med("push_s")), 1e-9))
 
 
-def plot(run_dir, out=None, records=None):
-  """records: metrics.jsonl already read (main reads it once, so a cut line is reported once)."""
+def plot(run_dir, out=None, records=None, events=None):
+  """records / events: metrics.jsonl / events.jsonl already read (main reads each once, so a cut line is reported
+  once); None reads them here."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   recs = final_records(read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if records is None else records)
   if not recs:
     raise ValueError(f"plot.py: no step records in {os.path.join(run_dir, 'metrics.jsonl')}")
-  events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+  events = read_jsonl(os.path.join(run_dir, "events.jsonl")) if events is None else events
   evals = {w: json.load(open(p)) for w in ("before", "after")
            if os.path.exists(p := os.path.join(run_dir, f"eval_{w}.json"))}
   steps = [r["step"] for r in recs]
@@ -135,9 +136,10 @@ def main(argv):
           f"a step; workers ({b['workers']:.0f} sending per step) decode {100 * b['worker_busy_frac']:.0f}% of the "
           f"time at {b['worker_tok_s']:.0f} tok/s, wait for prompts {100 * b['worker_wait_prompts_frac']:.0f}%; "
           f"workers that would keep the trainer busy: {b['workers_to_match']:.1f}")
-  for e in read_jsonl(os.path.join(run_dir, "events.jsonl")):
+  events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+  for e in events:
     print(f"  preemption: step {e['step']}: {e['role']} {e['event']} (pid {e['pid']})")
-  print(f"curves: {plot(run_dir, out, records)}")
+  print(f"curves: {plot(run_dir, out, records, events)}")
   return 0
 
 

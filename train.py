@@ -353,12 +353,12 @@ WORKER_STATS = ("pull_bytes", "pull_s", "delta_frac", "worker_busy_frac", "worke
                 "worker_wait_send_frac")
 
 
-def step_record(state, got, collector, trained_version, rewards, lengths, batch, m, times):
-  """The step's line in metrics.jsonl."""
+def step_record(state, got, collector, trained_version, rewards, lengths, batch, m, times, lr):
+  """The step's line in metrics.jsonl (lr: the learning rate this step used)."""
   groups = got.groups
   lag = trained_version - np.asarray([g.version for g in groups])
   rec = dict(step=state["step"], time=time.time(),
-             lr=float(learner.lr_schedule_fn(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps)(state["step"] - 1)),
+             lr=lr,
              reward=float(rewards.mean()), reward_std=float(rewards.std()),
              truncated_frac=float((lengths >= FLAGS.max_new_tokens).mean()), pass_rate=float((rewards > 0.5).mean()),
              completion_len=float(lengths.mean()), staleness_mean=float(lag.mean()), staleness_max=int(lag.max()),
@@ -419,6 +419,7 @@ def run_rl():
   gen = {k: meta["sampling"][k] for k in ("temperature", "top_p", "max_new_tokens")}  # the exports' generation_config
   state["version"] = publish(servers, state["version"], params["policy"], meta)
   metrics = learner.Metrics(os.path.join(FLAGS.run_dir, "metrics.jsonl"))
+  lr_at = learner.lr_schedule_fn(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps)  # the optimizer's schedule, for the log
   if FLAGS.curate_prompts and not state.get("curated"):
     if lead:
       curate(collector, stop, metrics)  # its rates are in the checkpointed tracker
@@ -464,7 +465,7 @@ def run_rl():
     # 6. Log.
     if lead:
       rec = step_record(state, got, collector, trained_version, rewards, lengths, batch, m,
-                        dict(wait_s=wait_s, step_s=step_s, push_s=push_s))
+                        dict(wait_s=wait_s, step_s=step_s, push_s=push_s), float(lr_at(state["step"] - 1)))
       metrics.write(rec)
       bar.update(1)
       bar.set_postfix(reward=f"{rec['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", ent=f"{m.get('entropy', 0):.3f}")
