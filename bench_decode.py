@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import hostmem
 import model
 import rollout
 
@@ -191,6 +192,7 @@ def side(rows, B, N, n_decoded):
 
 def main(argv=None):
   a = parse_args(argv)
+  hostmem.tune()  # as rollout.py's worker runs (the HF side shares this process and its malloc settings)
   import torch
   import transformers
   with tempfile.TemporaryDirectory() as tmp:

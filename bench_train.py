@@ -20,9 +20,12 @@ achieved FLOP/s = model FLOPs / best step time; fraction = achieved / measured p
   torch  the same step in PyTorch eager (torch_reference: transformers' Qwen2 on the same weights, reference
          forward, PPO-clip + k3 KL, seq-mean-token-mean, clip 1.0, AdamW) at each --torch_threads count, timed
          after ours; speed_vs_torch = its best time / ours (> 1: ours faster). Needs requirements-dev.txt.
+  faults minor page faults per timed step, each side. The process runs with hostmem.tune() as train.py does
+         (--host_malloc=default: glibc's own settings, for both sides; the A/B of hostmem.py).
 
   python bench_train.py                                  # defaults: D=256, L=4, V=2048, B=16, T=128
   python bench_train.py --batch=32 --seq_len=256 --json=train.json
+  python bench_train.py --host_malloc=default          # the same without hostmem.tune() (its A/B)
   python bench_train.py --quick                          # tiny smoke run (tests/test_bench.py)
   python bench_train.py --d_model=512 --n_layers=8 --vocab=32000 --batch=2 --group_size=2 --memory_seq_lens=1024,4096,8192
                                                          # memory per token: plain / --remat / --logprob_chunk
@@ -32,6 +35,7 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import time
@@ -43,6 +47,7 @@ import numpy as np
 
 import bench_decode  # random_params, the shape flags
 import data
+import hostmem
 import losses
 import model
 import learner
@@ -71,6 +76,8 @@ def parse_args(argv=None):
                  "chunked log-prob rows")
   p.add_argument("--torch_threads", default=None, help="comma-separated torch thread counts to time the "
                  "PyTorch reference step at (threads); default 1 and os.cpu_count(); 0 = skip the reference")
+  p.add_argument("--host_malloc", default="tuned", choices=("tuned", "default"), help="glibc malloc of this "
+                 "process (both sides): tuned = hostmem.tune() as train.py runs, default = glibc's (A/B)")
   p.add_argument("--quick", action="store_true", help="tiny shapes, 2 steps, kl_coef 0 unless "
                  "--kl_coef, torch at 1 thread unless --torch_threads; for tests (overrides the shape flags)")
   a = p.parse_args(argv)
@@ -212,12 +219,12 @@ def torch_reference(cfg, policy, batch, lcfg, threads, steps):
     torch.set_num_threads(th)
     loss = step()[0]  # warm-up: allocator, kernels
     first_loss = loss if first_loss is None else first_loss
-    ts = []
+    ts, f0 = [], minor_faults()
     for _ in range(steps):
       t0 = time.perf_counter()
       step()
       ts.append(time.perf_counter() - t0)
-    out[th] = (min(ts), statistics.median(ts))
+    out[th] = (min(ts), statistics.median(ts), (minor_faults() - f0) / steps)
   return out, first_loss
 
 
@@ -249,8 +256,14 @@ def memory_table(a, cfg, lcfg, optimizer, params, opt_state, ref_params, n_param
   return rows
 
 
+def minor_faults():
+  """Minor page faults of this process so far (first touches of fresh pages; see hostmem.py)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def main(argv=None):
   a = parse_args(argv)
+  tuned = a.host_malloc == "tuned" and hostmem.tune()  # before the first JAX computation, as train.main
   rng = np.random.default_rng(a.seed)
   peak = matmul_flops_per_s(a.matmul_n, a.matmul_n, a.matmul_n, a.matmul_reps, a.seed)
 
@@ -285,12 +298,13 @@ def main(argv=None):
   jax.block_until_ready((params, m))
   compile_s = time.perf_counter() - t
   first_loss = float(m["loss"])  # at the initial weights: the PyTorch reference's first step must agree
-  times = []
+  times, f0 = [], minor_faults()
   for _ in range(a.steps):
     t = time.perf_counter()
     params, opt_state, m = step(params, opt_state, ref_params, batch)
     jax.block_until_ready((params, m))  # the host sync the trainer does when it reads the metrics
     times.append(time.perf_counter() - t)
+  faults = (minor_faults() - f0) / a.steps
   # The load on a shared box moves during the run: time the peak again after the steps and keep the best.
   peak_after = matmul_flops_per_s(a.matmul_n, a.matmul_n, a.matmul_n, a.matmul_reps, a.seed)
   peak_before, peak = peak, max(peak, peak_after)
@@ -308,13 +322,15 @@ def main(argv=None):
       config=dict(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                   ffw_dim=cfg.ffw_dim, vocab=cfg.vocab_size, n_params=int(n_params), batch=B, seq_len=T,
                   group_size=a.group_size, algo=a.algo, kl_coef=lcfg.kl_coef, steps=a.steps,
-                  matmul_n=a.matmul_n, cores=os.cpu_count(), loadavg_1m=os.getloadavg()[0]),
+                  matmul_n=a.matmul_n, cores=os.cpu_count(), loadavg_1m=os.getloadavg()[0],
+                  host_malloc="tuned" if tuned else "default"),
       peak_matmul_flops_per_s=peak, peak_matmul_flops_per_s_before=peak_before,
       peak_matmul_flops_per_s_after=peak_after, model_shape_matmul_flops_per_s=shape_peak,
       step_flops=step_flops, traced_matmul_flops=traced, step_s_best=best, step_s_median=med, compile_s=compile_s,
       achieved_flops_per_s=step_flops / best, achieved_flops_per_s_median=step_flops / med,
       fraction_of_peak=step_flops / best / peak, fraction_of_model_shape_matmul=step_flops / best / shape_peak,
-      tokens_per_s=B * T / best, completion_tokens_per_s=float(batch["loss_mask"].sum()) / best, loss=loss)
+      tokens_per_s=B * T / best, completion_tokens_per_s=float(batch["loss_mask"].sum()) / best, loss=loss,
+      minor_faults_per_step=faults)
 
   print(f"model D={cfg.d_model} L={cfg.n_layers} N={cfg.n_heads} K={cfg.n_kv_heads} F={cfg.ffw_dim} "
         f"V={cfg.vocab_size} ({n_params / 1e6:.2f} M params, fp32, tied embeddings); batch {B}x{T} tokens; "
@@ -324,7 +340,8 @@ def main(argv=None):
         f"[{B * T},{cfg.d_model}]x[{cfg.d_model},{cfg.ffw_dim}]: {shape_peak / 1e9:.2f} GFLOP/s")
   print(f"train step: {step_flops / 1e9:.3f} GFLOP model FLOPs (traced program's matmuls: "
         f"{traced / 1e9:.3f} GFLOP), best {best * 1e3:.1f} ms, median "
-        f"{med * 1e3:.1f} ms, compile {compile_s:.1f} s (excluded)")
+        f"{med * 1e3:.1f} ms, compile {compile_s:.1f} s (excluded); {faults:.0f} minor page faults per step "
+        f"(host malloc {res['config']['host_malloc']})")
   print(f"achieved {res['achieved_flops_per_s'] / 1e9:8.2f} GFLOP/s = {res['fraction_of_peak']:.1%} of measured "
         f"peak ({res['fraction_of_model_shape_matmul']:.1%} of the model-shape matmul); "
         f"{res['tokens_per_s']:.0f} tokens/s ({res['completion_tokens_per_s']:.0f} completion tokens/s); "
@@ -332,12 +349,14 @@ def main(argv=None):
   if a.torch_threads:
     ref, torch_first = torch_reference(cfg, policy_host, batch, lcfg, a.torch_threads, a.steps)
     th = min(ref, key=lambda k: ref[k][0])
-    res["torch"] = dict(by_threads={str(k): dict(step_s_best=b, step_s_median=m) for k, (b, m) in ref.items()},
+    res["torch"] = dict(by_threads={str(k): dict(step_s_best=b, step_s_median=m, minor_faults_per_step=f)
+                                    for k, (b, m, f) in ref.items()},
                         threads=th, step_s_best=ref[th][0], step_s_median=ref[th][1], first_loss=torch_first)
     res["first_loss"] = first_loss
     res["speed_vs_torch"] = ref[th][0] / best  # > 1: ours is faster
-    for k, (b, m) in ref.items():
-      print(f"pytorch eager reference @{k} thread(s): best {b * 1e3:.1f} ms, median {m * 1e3:.1f} ms")
+    for k, (b, m, f) in ref.items():
+      print(f"pytorch eager reference @{k} thread(s): best {b * 1e3:.1f} ms, median {m * 1e3:.1f} ms; "
+            f"{f:.0f} minor page faults per step")
     print(f"same step: first-step loss ours {first_loss:.6f}, pytorch {torch_first:.6f}")
     print(f"speed ours vs pytorch (best vs its best, @{th} thread(s)): {res['speed_vs_torch']:.2f}x "
           f"(ours best {best * 1e3:.1f} ms, median {med * 1e3:.1f} ms)")

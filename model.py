@@ -9,7 +9,8 @@ Dimension legend (einsums and shape comments):
 
 Design choices
   * Params are a plain nested dict of arrays. Per-layer weights are stacked along a leading L axis and the
-    forward is one `jax.lax.scan` over layers, so compile time does not grow with depth. Layout:
+    forward is one `jax.lax.scan` over layers, so compile time does not grow with depth (the training forward
+    unrolls it on XLA CPU, where the loop's slices and stacks are copies; see forward_hidden). Layout:
       embed [V,D]; final_norm [D]; lm_head [D,V] (absent when tie_embeddings: logits use embed.T);
       layers: attn_norm [L,D], wq [L,D,N,H], wk/wv [L,D,K,H], wo [L,N,H,D], (bq [L,N,H], bk/bv [L,K,H] when
       qkv_bias), (q_norm/k_norm [L,H] when qk_norm), mlp_norm [L,D], w_gate/w_up [L,D,F], w_down [L,F,D].
@@ -462,8 +463,9 @@ def _block(x, lp, cfg, cos, sin, attn_fn, layer_xs):
   return x, y
 
 
-def _run(params, cfg, tokens, positions, attn_fn, xs=None, remat=False):
-  """Embed -> scan of _block over the L axis -> final norm. Returns (h [B,T,D] fp32, stacked ys)."""
+def _run(params, cfg, tokens, positions, attn_fn, xs=None, remat=False, unroll=False):
+  """Embed -> scan of _block over the L axis -> final norm. Returns (h [B,T,D] fp32, stacked ys).
+  unroll: the scan fully unrolled (same ops, same results; compile time grows with L), see forward_hidden."""
   tokens = _constrain(tokens, ("batch", "seq"))
   # Gather from a table whose D is not fsdp-sharded: the fsdp axis is the batch's here, and a D-sharded
   # gather output would need an all-to-all that the partitioner can only do by full rematerialization.
@@ -477,17 +479,15 @@ def _run(params, cfg, tokens, positions, attn_fn, xs=None, remat=False):
 
   if remat:  # training memory: keep only the per-layer residual, recompute the rest in the backward pass
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-  x, ys = jax.lax.scan(body, x, (params["layers"], xs))
+  x, ys = jax.lax.scan(body, x, (params["layers"], xs), unroll=unroll)
   return _rms_norm(x, params["final_norm"], cfg.rms_norm_eps), ys
 
 
 def logits_from_hidden(params, cfg, h):
   """h [..., D] (final normed hidden) -> fp32 logits [..., V]; lets a loss compute log-probs in chunks."""
-  if cfg.tie_embeddings:
-    logits = jnp.einsum("...d,vd->...v", h.astype(params["embed"].dtype), params["embed"],
-                        preferred_element_type=jnp.float32)
-  else:
-    logits = _dot("...d,dv->...v", h, params["lm_head"])
+  # The tied head goes through _proj too (embed^T is a view): its weight gradient is then h^T @ dlogits, transposed
+  # back as a small [D,V]; autodiff's einsum transposed the [B*T,V] dlogits instead (31 ms of bench_train's step).
+  logits = _dot("...d,dv->...v", h, params["embed"].T if cfg.tie_embeddings else params["lm_head"])
   if logits.ndim == 3:
     logits = _constrain(logits, ("batch", "seq", "vocab"))
   return logits
@@ -511,7 +511,10 @@ def forward_hidden(params, cfg, tokens, positions=None, segment_ids=None, *, att
   def attn(q, k, v, _):
     return kernels.attention(q, k, v, segment_ids, causal=True, impl=attn_impl), None
 
-  h, _ = _run(params, cfg, tokens, positions, attn, remat=remat)
+  # On XLA CPU the layer loop copies each layer's weight slices, stacks the residuals for the backward and zero-fills
+  # the stacks every step; unrolled, those are static slices and plain buffers: bench_train's step -7% (RESULTS.md).
+  # On TPU the scan's slices fuse into the matmuls and one loop body keeps compile time flat in depth, so scan there.
+  h, _ = _run(params, cfg, tokens, positions, attn, remat=remat, unroll=jax.default_backend() == "cpu")
   return h
 
 

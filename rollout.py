@@ -50,6 +50,7 @@ import numpy as np
 
 import data
 import flags_common
+import hostmem
 import model
 import shards
 
@@ -833,6 +834,7 @@ def run_eval():
 
 def main(argv):
   del argv
+  hostmem.tune()  # before the first JAX computation: XLA's step buffers reused, not page-faulted in every step
   if FLAGS.tokenizer is None:
     raise app.UsageError("--tokenizer is required")
   if FLAGS.mode == "eval":

@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import data
 import fileio
 import flags_common
+import hostmem
 import learner
 import ledger
 import losses
@@ -484,6 +485,7 @@ def run_rl():
 
 def main(argv):
   del argv
+  hostmem.tune()  # before the first JAX computation: XLA's step buffers reused, not page-faulted in every step
   if FLAGS.tokenizer is None:
     raise app.UsageError("--tokenizer is required")
   os.makedirs(FLAGS.run_dir, exist_ok=True)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import kernels
 import model as M
 
 torch = pytest.importorskip("torch")
@@ -419,14 +420,38 @@ def test_projection_backward_equals_autodiff(dtype, monkeypatch):
     for a, b in zip(ours, auto):
       assert a.dtype == b.dtype and a.shape == b.shape
       np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
-  cfg = M.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffw_dim=48,
-                     tie_embeddings=False, qkv_bias=True, arch="Qwen2ForCausalLM")
-  params = jax.tree.map(lambda a: a.astype(dtype), M.init_params(cfg, jax.random.PRNGKey(0)))
   tokens = jnp.asarray(rng.integers(0, 64, (2, 9)), jnp.int32)
-  loss = lambda p: jax.nn.log_softmax(M.forward(p, cfg, tokens)).mean()  # noqa: E731
-  ours = jax.grad(loss)(params)
-  monkeypatch.setattr(M, "_proj", lambda eq, x, w: jnp.einsum(eq, x, w, preferred_element_type=jnp.float32))
-  auto = jax.grad(loss)(params)
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(auto)):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-7,
-                               err_msg=jax.tree_util.keystr(path))
+  einsum = lambda eq, x, w: jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)  # noqa: E731
+  for tie in (False, True):  # tied: the lm head is _proj on embed^T, its gradient summed with the gather's
+    cfg = M.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffw_dim=48,
+                   tie_embeddings=tie, qkv_bias=True, arch="Qwen2ForCausalLM")
+    params = jax.tree.map(lambda a: a.astype(dtype), M.init_params(cfg, jax.random.PRNGKey(0)))
+    loss = lambda p: jax.nn.log_softmax(M.forward(p, cfg, tokens)).mean()  # noqa: E731
+    ours = jax.grad(loss)(params)
+    with monkeypatch.context() as mp:
+      mp.setattr(M, "_proj", einsum)
+      auto = jax.grad(loss)(params)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(auto)):
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-7,
+                                 err_msg=f"tie={tie} {jax.tree_util.keystr(path)}")
+
+
+def test_unrolled_training_forward_equals_the_layer_scan():
+  """forward_hidden unrolls the layer scan on CPU (model.py: the scan's slices and stacks are copies there);
+  it must give the scan's hidden states and gradients (the same ops, up to summation order)."""
+  cfg = M.Config(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, ffw_dim=48,
+                 tie_embeddings=True, qkv_bias=True, arch="Qwen2ForCausalLM")
+  params = M.init_params(cfg, jax.random.PRNGKey(1))
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 9)), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
+  attn = lambda q, k, v, _: (kernels.attention(q, k, v, causal=True), None)  # noqa: E731
+  hidden = {u: jax.jit(lambda p, u=u: M._run(p, cfg, tokens, pos, attn, unroll=u)[0]) for u in (False, True)}
+  grads = {u: jax.jit(jax.grad(lambda p, u=u: jnp.sum(M._run(p, cfg, tokens, pos, attn, unroll=u)[0] ** 2)))
+           for u in (False, True)}
+  assert jax.default_backend() == "cpu"
+  np.testing.assert_allclose(M.forward_hidden(params, cfg, tokens), hidden[False](params), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(hidden[True](params), hidden[False](params), rtol=1e-6, atol=1e-6)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads[True](params)),
+                          jax.tree.leaves(grads[False](params))):
+    # Summation order may differ (the embedding's scatter-add: 3e-5 on gradients up to 1.5), so scale-relative.
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * float(jnp.abs(b).max()), err_msg=jax.tree_util.keystr(path))

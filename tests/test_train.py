@@ -216,3 +216,29 @@ def test_sft_teacher_slips_only_the_last_digit_at_its_rate():
     assert int(o[-1]) == (int(p.answer[-1]) + s) % 10
   assert all(learner.teacher_completion(p, 0.0, rng) == p.answer for p in probs[:100])
   assert learner.teacher_completion(data.Problem("x", "1+8=", "9", "arithmetic"), 0.999999, random.Random(1)) == "0"
+
+
+def test_hostmem_tune_stops_fresh_pages_in_every_step():
+  """hostmem.tune(), which train.py and rollout.py call first: a jitted step with a 64 MB intermediate reuses its
+  freed buffers instead of faulting fresh pages in every call (glibc's defaults: ~30k minor faults per call)."""
+  code = """if True:
+    import resource, sys
+    import jax, jax.numpy as jnp
+    import hostmem
+    if sys.argv[1] == "tuned":
+      assert hostmem.tune()
+    f = jax.jit(lambda x, w: jnp.tanh(x @ w) @ w.T)  # the [16384,1024] fp32 product is a 64 MB temporary
+    x, w = jnp.ones((16384, 256)), jnp.ones((256, 1024)) / 256
+    faults = []
+    for _ in range(16):
+      f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+      f(x, w).block_until_ready()
+      faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    print(sum(faults[-4:]))  # the heap settles within the first ~10 calls
+  """
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  tail = {m: int(subprocess.run([sys.executable, "-c", code, m], env=env, capture_output=True, text=True,
+                                check=True).stdout) for m in ("default", "tuned")}
+  assert tail["default"] > 10_000, tail  # the workload does fault under glibc's defaults (else it tests nothing)
+  assert tail["tuned"] < tail["default"] / 20, tail
