@@ -192,7 +192,6 @@ def side(rows, B, N, n_decoded):
 
 def main(argv=None):
   a = parse_args(argv)
-  hostmem.tune()  # as rollout.py's worker runs (the HF side shares this process and its malloc settings)
   import torch
   import transformers
   with tempfile.TemporaryDirectory() as tmp:
@@ -290,5 +289,8 @@ def main_all(argv):
 
 
 if __name__ == "__main__":
+  # As rollout.py's worker runs (the HF side shares the process and its malloc settings). Here, not in main():
+  # tests call main() inside pytest, whose process stays on glibc's defaults (tests/conftest.py).
+  hostmem.tune()
   argv = sys.argv[1:]
   main_all(argv) if "--preset=all" in argv else main(argv)

@@ -77,12 +77,13 @@ def parse_args(argv=None):
   p.add_argument("--torch_threads", default=None, help="comma-separated torch thread counts to time the "
                  "PyTorch reference step at (threads); default 1 and os.cpu_count(); 0 = skip the reference")
   p.add_argument("--host_malloc", default="tuned", choices=("tuned", "default"), help="glibc malloc of this "
-                 "process (both sides): tuned = hostmem.tune() as train.py runs, default = glibc's (A/B)")
+                 "process (both sides): tuned = hostmem.tune() as train.py runs, default = glibc's (A/B); "
+                 "--quick keeps glibc's: it runs inside pytest, whose process stays untuned (tests/conftest.py)")
   p.add_argument("--quick", action="store_true", help="tiny shapes, 2 steps, kl_coef 0 unless "
                  "--kl_coef, torch at 1 thread unless --torch_threads; for tests (overrides the shape flags)")
   a = p.parse_args(argv)
   if a.quick:
-    a.matmul_n, a.matmul_reps, a.steps = 256, 2, 2
+    a.matmul_n, a.matmul_reps, a.steps, a.host_malloc = 256, 2, 2, "default"
     vars(a).update(bench_decode.QUICK_SHAPE)
     a.batch, a.seq_len, a.group_size = 4, 32, 2
     a.kl_coef = 0.0 if a.kl_coef is None else a.kl_coef  # no reference forward: a third less to compile

@@ -14,7 +14,13 @@ which is what a trainer or worker that repeats the same step wants. A no-op wher
 
 Call tune() first thing in a process's main, before its first JAX computation: glibc fixes the arena limit when a
 thread first needs an arena, so threads started earlier (XLA's pool starts with the backend) keep their own.
-  import hostmem; hostmem.tune()      # train.py, rollout.py, bench_train.py, bench_decode.py, tests/conftest.py
+  import hostmem; hostmem.tune()      # train.py, rollout.py, bench_train.py and bench_decode.py as scripts
+
+Not in the pytest process: with one arena, tests/test_kernels.py's sharded Pallas attention, which runs the TPU
+interpreter on 8 fake CPU devices, hangs inside XLA's CPU runtime (every thread idle, the main one waiting on the
+executable's semaphore: 3 of 3 runs, 0 of 3 without; MALLOC_ARENA_MAX=1 alone does it). The sharded training
+and decode tests and the multi-process system tests, whose train.py and rollout.py processes call tune(), pass
+with it; the interpreter is a test-only path.
 """
 import ctypes
 import ctypes.util

@@ -69,9 +69,12 @@ def attention_reference(q, k, v, segment_ids=None, *, causal=True, sm_scale=None
   S, K = k.shape[1], k.shape[2]
   assert N % K == 0, (N, K)
   sm_scale = H ** -0.5 if sm_scale is None else sm_scale
-  # Group q heads by their kv head instead of repeating K/V: [B,T,K,G,H].
-  qg = q.reshape(B, T, K, N // K, H)
-  s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * sm_scale
+  # Group q heads by their kv head instead of repeating K/V, and put the batch dims (b, k) first: [B,K,G,T,H] and
+  # [B,K,S,H]. The same products as einsums on [B,T,K,G,H] (bitwise), but XLA's CPU backend ran that layout's
+  # batched matmuls and their transposes 1.5x slower (RESULTS.md, bench_train).
+  qg = q.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+  kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+  s = jnp.einsum("bkgth,bksh->bkgts", qg, kt, preferred_element_type=jnp.float32) * sm_scale
   mask = jnp.ones((B, T, S), bool)
   if causal:
     mask &= (jnp.arange(T)[:, None] >= jnp.arange(S)[None, :])[None]
@@ -79,8 +82,8 @@ def attention_reference(q, k, v, segment_ids=None, *, causal=True, sm_scale=None
     mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
   s = jnp.where(mask[:, None, None], s, NEG_INF)
   p = jax.nn.softmax(s, axis=-1)
-  o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return o.reshape(B, T, N, H).astype(q.dtype)
+  o = jnp.einsum("bkgts,bksh->bkgth", p.astype(v.dtype), vt, preferred_element_type=jnp.float32)
+  return o.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q.dtype)
 
 
 def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale=None):
