@@ -71,7 +71,7 @@ def attention_reference(q, k, v, segment_ids=None, *, causal=True, sm_scale=None
   sm_scale = H ** -0.5 if sm_scale is None else sm_scale
   # Group q heads by their kv head instead of repeating K/V, and put the batch dims (b, k) first: [B,K,G,T,H] and
   # [B,K,S,H]. The same products as einsums on [B,T,K,G,H] (bitwise), but XLA's CPU backend ran that layout's
-  # batched matmuls and their transposes 1.5x slower (RESULTS.md, bench_train).
+  # batched matmuls and their transposes 1.4x slower (RESULTS.md, bench_train).
   qg = q.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
   kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
   s = jnp.einsum("bkgth,bksh->bkgts", qg, kt, preferred_element_type=jnp.float32) * sm_scale

@@ -485,8 +485,8 @@ def _run(params, cfg, tokens, positions, attn_fn, xs=None, remat=False, unroll=F
 
 def logits_from_hidden(params, cfg, h):
   """h [..., D] (final normed hidden) -> fp32 logits [..., V]; lets a loss compute log-probs in chunks."""
-  # The tied head goes through _proj too (embed^T is a view): its weight gradient is then h^T @ dlogits, transposed
-  # back as a small [D,V]; autodiff's einsum transposed the [B*T,V] dlogits instead (31 ms of bench_train's step).
+  # The tied head goes through _proj too (embed.T folds into the dot): its weight gradient is then h^T @ dlogits,
+  # transposed back as a small [D,V]; autodiff's einsum transposed the [B*T,V] dlogits (31 ms of bench_train's step).
   logits = _dot("...d,dv->...v", h, params["embed"].T if cfg.tie_embeddings else params["lm_head"])
   if logits.ndim == 3:
     logits = _constrain(logits, ("batch", "seq", "vocab"))
@@ -512,7 +512,7 @@ def forward_hidden(params, cfg, tokens, positions=None, segment_ids=None, *, att
     return kernels.attention(q, k, v, segment_ids, causal=True, impl=attn_impl), None
 
   # On XLA CPU the layer loop copies each layer's weight slices, stacks the residuals for the backward and zero-fills
-  # the stacks every step; unrolled, those are static slices and plain buffers: bench_train's step -7% (RESULTS.md).
+  # the stacks every step; unrolled, those are static slices and plain buffers: bench_train's step -6% (RESULTS.md).
   # On TPU the scan's slices fuse into the matmuls and one loop body keeps compile time flat in depth, so scan there.
   h, _ = _run(params, cfg, tokens, positions, attn, remat=remat, unroll=jax.default_backend() == "cpu")
   return h
