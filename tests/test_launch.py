@@ -7,15 +7,17 @@ re-creates it and the run still ends at its last step.
 """
 import json
 import os
+import random
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import data
 import fake_gcloud
-from test_system import ROOT, child_env, free_port, kill_roles, steps_done, tiny_base
+from test_system import ROOT, child_env, kill_roles, steps_done, tiny_base
 
 
 def run(cmd, **kw):
@@ -92,9 +94,26 @@ TRAIN = ["--prompts_per_step=2", "--group_size=4", "--difficulty=1", "--ops=+-",
 WORKER = "--slots=8 --chunk_steps=4 --verifier_workers=0 --lease_s=10"
 
 
+def pod_ports():
+  """(port, coord_port) for a fake pod: the pod's shard servers listen on port + 1, which a plain free port does not
+  reserve (a shard once failed with EADDRINUSE there), so take three consecutive ports, free now, below Linux's
+  ephemeral range (32768+), where no connection's local port lands."""
+  rng = random.Random()
+  while True:
+    port = rng.randrange(20000, 32000)
+    try:
+      with socket.socket() as a, socket.socket() as b, socket.socket() as c:
+        for sock, p in ((a, port), (b, port + 1), (c, port + 2)):
+          sock.bind(("127.0.0.1", p))
+      return port, port + 2
+    except OSError:
+      continue
+
+
 def pod_launch(size, tmp_path, env, steps, *flags, train=()):
   ckpt, tok = base_and_tokenizer(tmp_path)
-  cmd = ["bash", "launch.sh", size, "--tpu=t", "--zone=z", f"--port={free_port()}", f"--coord_port={free_port()}",
+  port, coord = pod_ports()
+  cmd = ["bash", "launch.sh", size, "--tpu=t", "--zone=z", f"--port={port}", f"--coord_port={coord}",
          f"--init_checkpoint={ckpt}", f"--tokenizer={tok}", "--poll_s=1", f"--worker_args={WORKER}",
          f"--state_dir={tmp_path / 'state'}", *flags,
          "--", f"--steps={steps}", *TRAIN, *train]
