@@ -5,9 +5,10 @@ those threads arenas of their own whose large blocks are mmap'd and handed back 
 step touches its working set as fresh pages again. bench_train.py measured 95k minor page faults and 0.18 s of
 kernel time per training step (D256 L4, 16x128 tokens, ~370 MB of pages) on the 2-core box, about 15% of its CPU.
 tune() makes every thread allocate from the main heap (one arena), never mmap a block, and trim the heap only
-when more than 2 GB sit free at its top, so a freed step's buffers are reused as they are: 0 faults per step and
-the step 10-20% faster (RESULTS.md; `python bench_train.py --host_malloc=default` is the other side). The same
-settings also cut the PyTorch reference's faults in that bench (28k per step to ~0), so it runs under them too.
+when more than 2 GB sit free at its top, so a freed step's buffers are reused as they are: ~0 faults per step
+once the heap has settled (a few steps) and the step 12-15% faster (RESULTS.md; `python bench_train.py
+--host_malloc=default` is the other side). The same settings also cut the PyTorch reference's faults in that
+bench (13-28k per step to ~0), so it runs under them too.
 
 Cost: memory a step freed stays with the process (its peak resident set is kept) instead of returning to the OS,
 which is what a trainer or worker that repeats the same step wants. A no-op where libc has no mallopt (macOS, musl).
