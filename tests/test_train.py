@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import benchutil
 import data
 import losses
 import model
@@ -236,9 +237,7 @@ def test_hostmem_tune_stops_fresh_pages_in_every_step():
       faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     print(sum(faults[-4:]))  # the heap settles within the first ~10 calls
   """
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, PYTHONPATH=root, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  tail = {m: int(subprocess.run([sys.executable, "-c", code, m], env=env, capture_output=True, text=True,
-                                check=True).stdout) for m in ("default", "tuned")}
+  tail = {m: int(subprocess.run([sys.executable, "-c", code, m], cwd=benchutil.ROOT, env=benchutil.child_env(),
+                                capture_output=True, text=True, check=True).stdout) for m in ("default", "tuned")}
   assert tail["default"] > 10_000, tail  # the workload does fault under glibc's defaults (else it tests nothing)
   assert tail["tuned"] < tail["default"] / 20, tail
