@@ -15,13 +15,14 @@ import subprocess
 import sys
 import time
 
+import benchutil
 import data
 import fake_gcloud
-from test_system import ROOT, child_env, kill_roles, steps_done, tiny_base
+from test_system import ROOT, kill_roles, steps_done, tiny_base
 
 
 def run(cmd, **kw):
-  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=child_env(), **kw)
+  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=benchutil.child_env(), **kw)
 
 
 # ------------------------------------------------------------------------------------------------ host counts
@@ -73,7 +74,7 @@ def fake_pod(tmp_path):
   gcloud = root / "bin" / "gcloud"
   gcloud.write_text(f"#!/bin/sh\nexec {sys.executable} {os.path.join(ROOT, 'tests', 'fake_gcloud.py')} \"$@\"\n")
   gcloud.chmod(0o755)
-  env = child_env()
+  env = benchutil.child_env()
   host_env = dict(RL_SKIP_INSTALL="1", VENV=os.path.join(ROOT, ".venv"), JAX_PLATFORMS="cpu", STOP_GRACE_S="30")
   env.update(PATH=f"{root / 'bin'}:{env['PATH']}", FAKE_GCLOUD_ROOT=str(root),
              FAKE_GCLOUD_HOST_ENV=json.dumps(host_env))
@@ -217,7 +218,7 @@ def test_local_bad_train_file_stops_with_its_error_not_a_crash_loop(tmp_path):
   ckpt, tok, train, ev = real_inputs(tmp_path)
   bad = tmp_path / "bad_train.jsonl"
   bad.write_text(open(train).read() + '{"id": "x", "prompt": "1+1="}\n')  # no answer
-  env = dict(child_env(), SAME_ERROR_LIMIT="2")
+  env = dict(benchutil.child_env(), SAME_ERROR_LIMIT="2")
   r = subprocess.run(local(tmp_path / "r", f"--init_checkpoint={ckpt}", f"--tokenizer={tok}", f"--train_jsonl={bad}",
                            "--skip_eval", "--max_new_tokens=8", "--workers=1", f"--worker_args={WORKER}"),
                      cwd=ROOT, capture_output=True, text=True, env=env, timeout=400)
@@ -236,9 +237,9 @@ def test_local_two_runs_side_by_side_stop_checkpoints_and_run_dir_identity(tmp_p
           "--max_new_tokens=8", f"--worker_args={WORKER}", "--workers=1", "--", *TRAIN[:-1]]
   a, b = str(tmp_path / "a"), str(tmp_path / "b")
   logs = [open(tmp_path / f"{x}.log", "w") for x in "ab"]
-  pa = subprocess.Popen(local(a, "--steps=1000", *real), cwd=ROOT, env=child_env(), stdout=logs[0],
+  pa = subprocess.Popen(local(a, "--steps=1000", *real), cwd=ROOT, env=benchutil.child_env(), stdout=logs[0],
                         stderr=subprocess.STDOUT, start_new_session=True)
-  pb = subprocess.Popen(local(b, "--steps=2", *real), cwd=ROOT, env=child_env(), stdout=logs[1],
+  pb = subprocess.Popen(local(b, "--steps=2", *real), cwd=ROOT, env=benchutil.child_env(), stdout=logs[1],
                         stderr=subprocess.STDOUT, start_new_session=True)
   try:
     assert pb.wait(timeout=400) == 0, open(tmp_path / "b.log").read()[-3000:]

@@ -10,8 +10,9 @@ import subprocess
 
 import jax
 
+import benchutil
 import model
-from test_system import ROOT, child_env, free_port
+from test_system import ROOT, free_port
 
 STEPS = 3
 
@@ -56,8 +57,8 @@ def test_real_checkpoint_gsm8k_jsonl_run(tmp_path):
          f"--eval_jsonl={evalf}", "--template=hf", f"--steps={STEPS}", "--workers=1", "--max_new_tokens=16",
          f"--port={free_port()}", "--worker_args=--slots=4 --verifier_workers=1",
          "--", "--prompts_per_step=2", "--group_size=2", "--lr=1e-4"]
-  p = subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                     timeout=600)
+  p = subprocess.run(cmd, cwd=ROOT, env=benchutil.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                     text=True, timeout=600)
   assert p.returncode == 0, p.stdout[-3000:]
   trainer_log = open(os.path.join(run, "logs", "trainer0.log")).read()
   sup = os.path.join(run, "logs", "supervisor.log")

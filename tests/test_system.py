@@ -15,6 +15,7 @@ import time
 
 import jax
 
+import benchutil
 import data
 import model
 import param_server as ps
@@ -38,12 +39,6 @@ def tiny_base(run, tok):
             bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
   cfg = model.Config.from_hf_dict(hf)
   model.save_hf_checkpoint(os.path.join(run, "base"), cfg, model.init_params(cfg, jax.random.PRNGKey(0)))
-
-
-def child_env():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  env.pop("XLA_FLAGS", None)  # children: one CPU device each (the fake 8-device mesh is for in-process tests)
-  return env
 
 
 def steps_done(run):
@@ -113,7 +108,7 @@ def start_run(tmp_path, steps, launch_flags=()):
          "--get_wait_s=0.5", "--rollout_lease_s=60", "--train_size=100", "--prefetch_steps=1",
          "--curate_prompts=0", "--pass_band="]  # the demo's curation: a random policy solves no prompt, none is kept
   log = open(os.path.join(str(tmp_path), "launch.log"), "w")
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=benchutil.child_env(), stdout=log, stderr=subprocess.STDOUT,
                           start_new_session=True)
   return run, proc, log
 
