@@ -7,7 +7,7 @@ Shapes (legend as in model.py): B batch, T query len, S key len, N q heads, K kv
       Causal by index within the sequence (T == S when causal or segment_ids are used); with segment_ids a
       query attends only to keys of the same segment id (packed sequences; id 0 is padding by convention, but
       padding still only attends to padding, so rows never are all -inf).
-  decode_attention(q [B,N,H], k_cache [B,S,K,H], v_cache [B,S,K,H], lengths [B] int32, impl="auto") -> [B,N,H]
+  decode_attention(q [B,N,H], k_cache [B,K,S,H], v_cache [B,K,S,H], lengths [B] int32, impl="auto") -> [B,N,H]
       One query per sequence against cache entries [0, lengths[b]) (the new token's k/v already written).
       lengths are clipped to [0, S]; callers pass lengths >= 1 (a length-0 row is all padding: the reference
       averages the whole row, the kernel returns zeros; neither is meaningful).
@@ -29,8 +29,8 @@ Design
   * decode_attention: grid (B, S / block_s) with the lengths scalar-prefetched into SMEM. The K/V index map
     clamps the block index to the last valid block of each row, so blocks past lengths[b] are never fetched
     (re-using a block index skips the DMA) and their compute is skipped: HBM traffic is proportional to
-    sum(lengths), not B*S (ragged batch). The cache stays in model.py's [B,S,K,H] layout (viewed as [B,S,K*H],
-    a free reshape) so each DMA is one contiguous run of rows; the kernel loops over the K heads in VMEM.
+    sum(lengths), not B*S (ragged batch). The kernel reads model.py's cache layout [B,K,S,H] as is: a block
+    is K contiguous runs of block_s rows, and the kernel loops over the K heads in VMEM.
     A partial last block (S % block_s != 0) is handled by masking, not by padding (which would copy the cache).
   * Sharding: on a mesh with axes ("data", "fsdp", "tensor"), batch is split over ("data", "fsdp") and heads
     over "tensor"; attention is independent per (batch row, kv head), so each shard runs the kernel on its
@@ -69,33 +69,58 @@ def attention_reference(q, k, v, segment_ids=None, *, causal=True, sm_scale=None
   S, K = k.shape[1], k.shape[2]
   assert N % K == 0, (N, K)
   sm_scale = H ** -0.5 if sm_scale is None else sm_scale
+  if not causal or T != S or T < 2 * CAUSAL_BLOCK_MIN:
+    return _attention_block(q, k, v, segment_ids, segment_ids, 0 if causal else None, sm_scale)
+  # Causal: query block i needs only keys [0, end of block i), so split the queries into nb blocks and skip the
+  # keys above the diagonal (the Pallas kernel skips whole tiles the same way). The score matmuls and softmax then
+  # cover (nb + 1) / (2 nb) of the T x T square: 3/4 at T=128 (nb=2), 5/8 at T >= 256 (nb=4). The keys a block
+  # drops were masked to exp(-inf) = 0 anyway, so the forward is the same up to summation order (bitwise the same
+  # at nb=2 in tests/test_kernels.py). RESULTS.md (bench_train) has what it saves in the training step.
+  nb = min(CAUSAL_BLOCKS_MAX, T // CAUSAL_BLOCK_MIN)
+  edges = [T * i // nb for i in range(nb + 1)]
+  seg = (lambda a, b: None) if segment_ids is None else (lambda a, b: segment_ids[:, a:b])
+  return jnp.concatenate([_attention_block(q[:, a:b], k[:, :b], v[:, :b], seg(a, b), seg(0, b), a, sm_scale)
+                          for a, b in zip(edges, edges[1:])], axis=1)
+
+
+CAUSAL_BLOCK_MIN = 64  # queries per block of the causal reference, at least (smaller blocks cost more than they skip)
+CAUSAL_BLOCKS_MAX = 4  # query blocks of the causal reference, at most (fewer, larger matmuls; measured best on CPU)
+
+
+def _attention_block(q, k, v, q_seg, k_seg, q_start, sm_scale):
+  """Queries q [B,Tq,N,H] at sequence positions q_start.. against keys k/v [B,S,K,H] at positions 0..S-1.
+  q_start None: not causal. q_seg [B,Tq] / k_seg [B,S]: segment ids (both or neither)."""
+  B, Tq, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
   # Group q heads by their kv head instead of repeating K/V, and put the batch dims (b, k) first: [B,K,G,T,H] and
   # [B,K,S,H]. The same products as einsums on [B,T,K,G,H] (bitwise), but XLA's CPU backend ran that layout's
   # batched matmuls and their transposes 1.4x slower (RESULTS.md, bench_train).
-  qg = q.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+  qg = q.reshape(B, Tq, K, N // K, H).transpose(0, 2, 3, 1, 4)
   kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
   s = jnp.einsum("bkgth,bksh->bkgts", qg, kt, preferred_element_type=jnp.float32) * sm_scale
-  mask = jnp.ones((B, T, S), bool)
-  if causal:
-    mask &= (jnp.arange(T)[:, None] >= jnp.arange(S)[None, :])[None]
-  if segment_ids is not None:
-    mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+  mask = jnp.ones((B, Tq, S), bool)
+  if q_start is not None:
+    mask &= (jnp.arange(q_start, q_start + Tq)[:, None] >= jnp.arange(S)[None, :])[None]
+  if q_seg is not None:
+    mask &= q_seg[:, :, None] == k_seg[:, None, :]
   s = jnp.where(mask[:, None, None], s, NEG_INF)
   p = jax.nn.softmax(s, axis=-1)
   o = jnp.einsum("bkgts,bksh->bkgth", p.astype(v.dtype), vt, preferred_element_type=jnp.float32)
-  return o.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q.dtype)
+  return o.transpose(0, 3, 1, 2, 4).reshape(B, Tq, N, H).astype(q.dtype)
 
 
 def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale=None):
   B, N, H = q.shape
-  S, K = k_cache.shape[1], k_cache.shape[2]
+  K, S = k_cache.shape[1], k_cache.shape[2]
   sm_scale = H ** -0.5 if sm_scale is None else sm_scale
+  # The cache is [B,K,S,H]: (b, k) are the batch dims of both products and S, H the matrix dims, so XLA reads it
+  # in place ([B,S,K,H] needed a transposed copy of the whole cache per layer and step; RESULTS.md, bench_decode).
   qg = q.reshape(B, K, N // K, H)
-  s = jnp.einsum("bkgh,bskh->bkgs", qg, k_cache, preferred_element_type=jnp.float32) * sm_scale
+  s = jnp.einsum("bkgh,bksh->bkgs", qg, k_cache, preferred_element_type=jnp.float32) * sm_scale
   valid = jnp.arange(S)[None, :] < lengths[:, None]  # [B,S]
   s = jnp.where(valid[:, None, None], s, NEG_INF)
   p = jax.nn.softmax(s, axis=-1)
-  o = jnp.einsum("bkgs,bskh->bkgh", p.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
+  o = jnp.einsum("bkgs,bksh->bkgh", p.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
   return o.reshape(B, N, H).astype(q.dtype)
 
 
@@ -397,10 +422,10 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_sc
     valid_row = j * bs + lax.broadcasted_iota(jnp.int32, (1, bs), 1) < length  # [1,bs] over scores
     valid_col = j * bs + lax.broadcasted_iota(jnp.int32, (bs, 1), 0) < length  # [bs,1] over V rows
     for h in range(K):  # static loop over the kv heads of this row's tile
-      k = k_ref[:, h * H:(h + 1) * H]  # [bs,H]
+      k = k_ref[h]  # [bs,H]
       # Rows past the length may be stale or (partial last block) unspecified memory: zero V so that
       # 0 * garbage cannot leak a NaN into the sum.
-      v = jnp.where(valid_col, v_ref[:, h * H:(h + 1) * H], 0)
+      v = jnp.where(valid_col, v_ref[h], 0)
       s = jnp.where(valid_row, _dot_t(q_ref[h], k) * sm_scale, NEG_INF)  # [G,bs]
       pv = lambda p: jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # noqa: E731
       m_scr[h], l_scr[h], acc_scr[h] = _softmax_step(s, m_scr[h], l_scr[h], acc_scr[h], pv)
@@ -413,10 +438,10 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_sc
 
 def _check_decode_args(q, k_cache, v_cache, lengths):
   if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
-    raise ValueError(f"decode_attention wants q [B,N,H], caches [B,S,K,H]; got {q.shape}, {k_cache.shape}, "
+    raise ValueError(f"decode_attention wants q [B,N,H], caches [B,K,S,H]; got {q.shape}, {k_cache.shape}, "
                      f"{v_cache.shape}")
   B, N, H = q.shape
-  if k_cache.shape[0] != B or k_cache.shape[3] != H or N % k_cache.shape[2]:
+  if k_cache.shape[0] != B or k_cache.shape[3] != H or N % k_cache.shape[1]:
     raise ValueError(f"decode_attention: q {q.shape} and cache {k_cache.shape} disagree on B/H, or N % K != 0")
   if lengths.shape != (B,):
     raise ValueError(f"decode_attention: lengths must be [B]={(B,)}, got {lengths.shape}")
@@ -427,17 +452,17 @@ def ragged_decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, bloc
   _check_decode_args(q, k_cache, v_cache, lengths)
   _check_block("block_s", block_s)
   B, N, H = q.shape
-  _, S, K, _ = k_cache.shape
+  _, K, S, _ = k_cache.shape
   sm_scale = H ** -0.5 if sm_scale is None else float(sm_scale)
   G = N // K
   bs = min(block_s, S)  # a block equal to the full dim is always a legal TPU block
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
 
   def kv_map(b, j, lengths_ref):
-    return b, jnp.maximum(jnp.minimum(j, (lengths_ref[b] - 1) // bs), 0), 0
+    return b, 0, jnp.maximum(jnp.minimum(j, (lengths_ref[b] - 1) // bs), 0), 0
 
   qo_spec = pl.BlockSpec((None, K, G, H), lambda b, j, lengths_ref: (b, 0, 0, 0))
-  kv_spec = pl.BlockSpec((None, bs, K * H), kv_map)
+  kv_spec = pl.BlockSpec((None, K, bs, H), kv_map)
   o = pl.pallas_call(
       functools.partial(_decode_kernel, sm_scale=sm_scale, bs=bs),
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -448,7 +473,7 @@ def ragged_decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, bloc
       out_shape=jax.ShapeDtypeStruct((B, K, G, H), q.dtype),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       name="ragged_decode_attention",
-  )(lengths, q.reshape(B, K, G, H), k_cache.reshape(B, S, K * H), v_cache.reshape(B, S, K * H))
+  )(lengths, q.reshape(B, K, G, H), k_cache, v_cache)
   return o.reshape(B, N, H)
 
 
@@ -517,8 +542,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, impl="auto"
   mesh = _resolve_mesh(mesh)
   if mesh is None:
     return fn(q, k_cache, v_cache, lengths)
-  batch, head = _mesh_axes(mesh, q.shape[0], q.shape[1], k_cache.shape[2])
-  cache_spec = P(batch, None, head, None)
+  batch, head = _mesh_axes(mesh, q.shape[0], q.shape[1], k_cache.shape[1])
+  cache_spec = P(batch, head, None, None)
   return _shard_call(fn, mesh, (P(batch, head, None), cache_spec, cache_spec, P(batch)), P(batch, head, None),
                      q, k_cache, v_cache, lengths)
 
@@ -574,7 +599,7 @@ def _bench_cases(impl, dtype, B, T, N, K, H, S_cache, peak_flops, peak_bw, label
   grad = jax.grad(lambda q, k: jnp.sum(fwd(q, k).astype(jnp.float32)), argnums=(0, 1))
   _report(f"{label} attention fwd+bwd", _time(grad, q, k), 3 * fwd_flops, 3 * qkvo_bytes, peak_flops, peak_bw)
   # Ragged decode: lengths uniform in [1, S]; traffic counted for the valid cache rows only.
-  cache = jax.random.normal(kk, (B, S_cache, K, H), dtype)
+  cache = jax.random.normal(kk, (B, K, S_cache, H), dtype)
   lengths = jax.random.randint(kl, (B,), 1, S_cache + 1)
   total = int(lengths.sum())
   dec = lambda q, c, lengths: decode_attention(q, c, c, lengths, impl=impl)

@@ -31,10 +31,15 @@ Design choices
     used at most once per array (first dim wins). E.g. 1x1x8 with K=2 kv heads: wk/wv/k/v/cache replicate K.
     `make_mesh` uses `AxisType.Auto` axes, so XLA's partitioner inserts the collectives (FSDP all-gathers,
     tensor-parallel reduce-scatters); model.py never uses shard_map.
-  * KV cache: dict(k [L,B,S,K,H], v [L,B,S,K,H], lengths [B] int32), ragged: row b holds positions
-    [0, lengths[b]). Prefill writes [0, lengths[b]) from right-padded prompts; decode writes one token at
-    position lengths[b] (also its RoPE position) and increments lengths. The caller keeps lengths < S: a write
-    past the end is dropped by XLA's scatter (cannot raise inside jit).
+  * KV cache: dict(k, v: lists of L per-layer [B,K,S,H] arrays, lengths [B] int32), ragged: row b holds
+    positions [0, lengths[b]). Prefill writes [0, lengths[b]) from right-padded prompts; decode writes one token
+    at position lengths[b] (also its RoPE position) and increments lengths. The caller keeps lengths < S: a write
+    past the end is dropped by XLA's scatter (cannot raise inside jit). One buffer per layer, (b, k) leading:
+    decode and prefill loop over the layers in Python (as jax-llm-examples does), each layer's new k/v is
+    scattered into its own buffer in place (donated by the caller) and the attention reads it as is, with no
+    per-layer slice or transposed copy of the cache (XLA CPU made both in a scan over a stacked [L,B,S,K,H]).
+    The weights may be stacked (static slices per layer; XLA TPU reads them inside the matmuls) or a per-layer
+    list (`unstack_layers`, what rollout.Engine decodes from on CPU, where the slices were copies).
   * HF I/O uses the `safetensors` numpy API (bf16 via ml_dtypes); HF Linear weights [out,in] are transposed into
     our [in,...,out] einsum layout. Saved directories (config.json in transformers-5 style with
     `rope_parameters` and `dtype`; model.safetensors or shards + model.safetensors.index.json) load unchanged in
@@ -51,7 +56,7 @@ Public API
   forward(params, cfg, tokens [B,T], positions=None, segment_ids=None, *, attn_impl="auto", remat=False)
       -> logits [B,T,V] fp32
   forward_hidden(same args) -> final normed hidden [B,T,D] fp32;  logits_from_hidden(params, cfg, h) -> fp32
-  init_cache(cfg, batch, max_len, dtype=jnp.float32) -> cache
+  init_cache(cfg, batch, max_len, dtype=jnp.float32) -> cache;  unstack_layers(params) -> params (per-layer list)
   prefill(params, cfg, tokens [B,T], lengths [B], cache, *, attn_impl="auto") -> (last_logits [B,V], cache)
   decode_step(params, cfg, tokens [B], cache, *, attn_impl="auto") -> (logits [B,V], cache)
   load_hf_checkpoint(path, dtype=None, *, mesh=None) -> (cfg, params)
@@ -341,8 +346,9 @@ def shard_params(params, cfg, mesh):
 
 
 def cache_axes():
-  return {"k": ("layers", "batch", "cache_seq", "kv_heads", "head_dim"),
-          "v": ("layers", "batch", "cache_seq", "kv_heads", "head_dim"), "lengths": ("batch",)}
+  """Logical axes of the cache: of each layer's k and v buffer [B,K,S,H], and of lengths [B]."""
+  layer = ("batch", "kv_heads", "cache_seq", "head_dim")
+  return {"k": layer, "v": layer, "lengths": ("batch",)}
 
 
 # ----------------------------------------------------------------------------------------------------- Params
@@ -463,23 +469,49 @@ def _block(x, lp, cfg, cos, sin, attn_fn, layer_xs):
   return x, y
 
 
-def _run(params, cfg, tokens, positions, attn_fn, xs=None, remat=False, unroll=False):
-  """Embed -> scan of _block over the L axis -> final norm. Returns (h [B,T,D] fp32, stacked ys).
-  unroll: the scan fully unrolled (same ops, same results; compile time grows with L), see forward_hidden."""
+def _embed(params, tokens):
   tokens = _constrain(tokens, ("batch", "seq"))
   # Gather from a table whose D is not fsdp-sharded: the fsdp axis is the batch's here, and a D-sharded
   # gather output would need an all-to-all that the partitioner can only do by full rematerialization.
   table = _constrain(params["embed"], ("vocab", "act_embed"))
-  x = _constrain(table[tokens].astype(jnp.float32), ("batch", "seq", "act_embed"))
+  return _constrain(table[tokens].astype(jnp.float32), ("batch", "seq", "act_embed"))
+
+
+def _run(params, cfg, tokens, positions, attn_fn, remat=False, unroll=False):
+  """Embed -> scan of _block over the stacked L axis -> final norm (the training forward). Returns h [B,T,D] fp32.
+  unroll: the scan fully unrolled (same ops, same results; compile time grows with L), see forward_hidden."""
+  x = _embed(params, tokens)
   cos, sin = _rope_tables(cfg, positions)
 
-  def body(x, layer):
-    lp, layer_xs = layer
-    return _block(x, lp, cfg, cos, sin, attn_fn, layer_xs)
+  def body(x, lp):
+    return _block(x, lp, cfg, cos, sin, attn_fn, None)[0], None
 
   if remat:  # training memory: keep only the per-layer residual, recompute the rest in the backward pass
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-  x, ys = jax.lax.scan(body, x, (params["layers"], xs), unroll=unroll)
+  x, _ = jax.lax.scan(body, x, params["layers"], unroll=unroll)
+  return _rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+def unstack_layers(params):
+  """params with "layers" as a list of L per-layer dicts (one copy of the layer weights) instead of [L,...]
+  arrays: what the cached decode path reads without slicing (see the KV cache note above)."""
+  if isinstance(params["layers"], list):
+    return params
+  n = jax.tree.leaves(params["layers"])[0].shape[0]
+  return dict(params, layers=[jax.tree.map(lambda a: a[i], params["layers"]) for i in range(n)])
+
+
+def _run_cached(params, cfg, tokens, positions, attn_fn):
+  """Embed -> the L layers as a Python loop -> final norm, for prefill and decode: attn_fn(q, k, v, i) gets the
+  layer index i (its cache buffers). Returns (h [B,T,D] fp32, [y of each layer])."""
+  x = _embed(params, tokens)
+  cos, sin = _rope_tables(cfg, positions)
+  layers = params["layers"]
+  ys = []
+  for i in range(cfg.n_layers):
+    lp = layers[i] if isinstance(layers, list) else jax.tree.map(lambda a: a[i], layers)
+    x, y = _block(x, lp, cfg, cos, sin, attn_fn, i)
+    ys.append(y)
   return _rms_norm(x, params["final_norm"], cfg.rms_norm_eps), ys
 
 
@@ -514,8 +546,7 @@ def forward_hidden(params, cfg, tokens, positions=None, segment_ids=None, *, att
   # On XLA CPU the layer loop copies each layer's weight slices, stacks the residuals for the backward and zero-fills
   # the stacks every step; unrolled, those are static slices and plain buffers: bench_train's step -6% (RESULTS.md).
   # On TPU the scan's slices fuse into the matmuls and one loop body keeps compile time flat in depth, so scan there.
-  h, _ = _run(params, cfg, tokens, positions, attn, remat=remat, unroll=jax.default_backend() == "cpu")
-  return h
+  return _run(params, cfg, tokens, positions, attn, remat=remat, unroll=jax.default_backend() == "cpu")
 
 
 def forward(params, cfg, tokens, positions=None, segment_ids=None, *, attn_impl="auto", remat=False):
@@ -527,14 +558,16 @@ def forward(params, cfg, tokens, positions=None, segment_ids=None, *, attn_impl=
 # --------------------------------------------------------------------------------------------------- KV cache
 
 def init_cache(cfg, batch, max_len, dtype=jnp.float32):
-  """Empty cache: k, v [L,B,S,K,H] zeros, lengths [B] int32 zeros."""
-  shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "lengths": jnp.zeros((batch,), jnp.int32)}
+  """Empty cache: k, v lists of L [B,K,S,H] zeros, lengths [B] int32 zeros."""
+  shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+  return {"k": [jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)],
+          "v": [jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)], "lengths": jnp.zeros((batch,), jnp.int32)}
 
 
 def _constrain_cache(cache):
   axes = cache_axes()
-  return {n: _constrain(a, axes[n]) for n, a in cache.items()}
+  return {n: [_constrain(a, axes[n]) for a in x] if isinstance(x, list) else _constrain(x, axes[n])
+          for n, x in cache.items()}
 
 
 def prefill(params, cfg, tokens, lengths, cache, *, attn_impl="auto"):
@@ -543,23 +576,28 @@ def prefill(params, cfg, tokens, lengths, cache, *, attn_impl="auto"):
   prompt token [B,V] and the cache. T must be <= the cache length S."""
   _check_tokens(tokens, 2, "prefill")
   B, T = tokens.shape
-  if T > cache["k"].shape[2] or cache["k"].shape[1] != B:
-    raise ValueError(f"prefill: tokens {tokens.shape} do not fit cache k {cache['k'].shape} (need B equal, T <= S)")
+  if T > cache["k"][0].shape[2] or cache["k"][0].shape[0] != B:
+    raise ValueError(f"prefill: tokens {tokens.shape} do not fit cache k {cache['k'][0].shape} [B,K,S,H] (need B "
+                     "equal, T <= S)")
   lengths = lengths.astype(jnp.int32)
   valid = jnp.arange(T)[None, :] < lengths[:, None]  # [B,T]
   # Padding gets segment 0, so it only attends to padding and never leaks into valid rows.
   segment_ids = valid.astype(jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
-  def attn(q, k, v, _):
-    return kernels.attention(q, k, v, segment_ids, causal=True, impl=attn_impl), (k, v)
+  m = valid[:, None, :, None]  # [B,1,T,1]
 
-  h, (k_new, v_new) = _run(params, cfg, tokens, positions, attn)  # k_new, v_new [L,B,T,K,H]
-  m = valid[None, :, :, None, None]
-  k = cache["k"].at[:, :, :T].set(jnp.where(m, k_new.astype(cache["k"].dtype), cache["k"][:, :, :T]))
-  v = cache["v"].at[:, :, :T].set(jnp.where(m, v_new.astype(cache["v"].dtype), cache["v"][:, :, :T]))
+  def write(c, new):  # new [B,T,K,H] -> positions [0, T) of c [B,K,S,H], the valid ones only
+    return c.at[:, :, :T].set(jnp.where(m, new.transpose(0, 2, 1, 3).astype(c.dtype), c[:, :, :T]))
+
+  def attn(q, k, v, i):
+    o = kernels.attention(q, k, v, segment_ids, causal=True, impl=attn_impl)
+    return o, (write(cache["k"][i], k), write(cache["v"][i], v))
+
+  h, kv = _run_cached(params, cfg, tokens, positions, attn)
   last = h[jnp.arange(B), lengths - 1]  # [B,D]
-  return logits_from_hidden(params, cfg, last), _constrain_cache({"k": k, "v": v, "lengths": lengths})
+  return logits_from_hidden(params, cfg, last), _constrain_cache(
+      {"k": [k for k, _ in kv], "v": [v for _, v in kv], "lengths": lengths})
 
 
 def decode_step(params, cfg, tokens, cache, *, attn_impl="auto"):
@@ -568,19 +606,16 @@ def decode_step(params, cfg, tokens, cache, *, attn_impl="auto"):
   lengths = cache["lengths"]
   rows = jnp.arange(tokens.shape[0])
 
-  def attn(q, k, v, layer_cache):
-    kc, vc = layer_cache  # [B,S,K,H] this layer's cache; write the new token before attending to it
-    kc = kc.at[rows, lengths].set(k[:, 0].astype(kc.dtype))
-    vc = vc.at[rows, lengths].set(v[:, 0].astype(vc.dtype))
+  def attn(q, k, v, i):
+    # Write the new token into layer i's cache (in place: the caller donates the cache), then attend to it.
+    kc = cache["k"][i].at[rows, :, lengths].set(k[:, 0].astype(cache["k"][i].dtype))  # [B,K,S,H] at [b,:,len_b]
+    vc = cache["v"][i].at[rows, :, lengths].set(v[:, 0].astype(cache["v"][i].dtype))
     o = kernels.decode_attention(q[:, 0], kc, vc, lengths + 1, impl=attn_impl)
-    return o[:, None], (k[:, 0], v[:, 0])
+    return o[:, None], (kc, vc)
 
-  # Only the new token's k/v leave the scan ([L,B,K,H]); one scatter then updates the big cache in place
-  # (with buffer donation) instead of the scan materializing a second [L,B,S,K,H] copy.
-  h, (k_new, v_new) = _run(params, cfg, tokens[:, None], lengths[:, None], attn, xs=(cache["k"], cache["v"]))
-  k = cache["k"].at[:, rows, lengths].set(k_new.astype(cache["k"].dtype))
-  v = cache["v"].at[:, rows, lengths].set(v_new.astype(cache["v"].dtype))
-  return logits_from_hidden(params, cfg, h[:, 0]), _constrain_cache({"k": k, "v": v, "lengths": lengths + 1})
+  h, kv = _run_cached(params, cfg, tokens[:, None], lengths[:, None], attn)
+  return logits_from_hidden(params, cfg, h[:, 0]), _constrain_cache(
+      {"k": [k for k, _ in kv], "v": [v for _, v in kv], "lengths": lengths + 1})
 
 
 # ----------------------------------------------------------------------------------------------------- HF I/O

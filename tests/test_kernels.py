@@ -93,9 +93,9 @@ def test_flash_bf16_causal_segments():
 def _check_decode(B, S, N, K, H, dtype, lengths, block_s, mesh=None):
   key = jax.random.key(S + N)
   q, k, v, _ = _qkv(key, B, 1, S, N, K, H, dtype)
-  q = q[:, 0]
+  q, k, v = q[:, 0], k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # the cache layout [B,K,S,H]
   lengths = jnp.asarray(lengths, jnp.int32)
-  valid = (jnp.arange(S)[None, :] < lengths[:, None])[:, :, None, None]
+  valid = (jnp.arange(S)[None, :] < lengths[:, None])[:, None, :, None]
   # Poison every cache entry past a row's length: the kernel must neither read it into the result nor let
   # 0 * NaN through. The reference sees zeros there (its masked weights are exactly 0).
   poison = lambda x: jnp.where(valid, x, jnp.nan)
@@ -166,7 +166,8 @@ def test_bad_inputs_raise_clear_errors():
   with pytest.raises(ValueError, match="impl must be"):
     kernels.attention(q, kv, kv, impl="flash")
   with pytest.raises(ValueError, match="lengths must be"):
-    kernels.decode_attention(q[:, 0], kv, kv, jnp.ones((3,), jnp.int32), impl="pallas")
+    cache = kv.transpose(0, 2, 1, 3)  # [B,K,S,H]
+    kernels.decode_attention(q[:, 0], cache, cache, jnp.ones((3,), jnp.int32), impl="pallas")
 
 
 def test_auto_impl_is_reference_off_tpu():

@@ -113,6 +113,33 @@ def test_greedy_matches_argmax_of_forward(params):
     np.testing.assert_array_equal(res[pid][0][0], seq[len(toks):])
 
 
+def test_engine_decodes_from_one_per_layer_copy_per_weight_version(params):
+  # On CPU the engine unstacks each weight version once (model.unstack_layers) and reuses it; prefill + decode from
+  # the per-layer weights give the stacked weights' logits exactly (the same ops; only the slicing moved).
+  eng = rollout.Engine(CFG, rollout.SamplingConfig(0.0, 0, 1.0, 4, ()), slots=2, max_prompt_len=8)
+  w = eng._weights(params)
+  assert isinstance(w["layers"], list) and len(w["layers"]) == CFG.n_layers and eng._weights(params) is w
+  np.testing.assert_array_equal(w["layers"][1]["wq"], params["layers"]["wq"][1])
+  newer = jax.tree.map(lambda x: x * 1.0, params)
+  assert eng._weights(newer) is not w and eng._weights(newer) is eng._weights(newer)
+  tokens, lengths = jnp.asarray([[5, 6, 7, 0], [8, 9, 0, 0]], jnp.int32), jnp.asarray([3, 2], jnp.int32)
+
+  def run(p):
+    last, cache = model.prefill(p, CFG, tokens, lengths, model.init_cache(CFG, 2, 8))
+    step, cache = model.decode_step(p, CFG, jnp.argmax(last, -1).astype(jnp.int32), cache)
+    return last, step, cache["k"]
+  for a, b in zip(jax.tree.leaves(jax.jit(run)(params)), jax.tree.leaves(jax.jit(run)(w))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_greedy_is_argmax_with_ties_and_neg_inf():
+  x = jax.random.normal(jax.random.PRNGKey(3), (16, 1000))
+  x = x.at[1, 7].set(9.0).at[1, 900].set(9.0)  # a tie: the first index wins, as in jnp.argmax
+  x = x.at[2].set(-jnp.inf).at[2, 999].set(0.0)  # top-k/top-p cut rows
+  np.testing.assert_array_equal(rollout.greedy(x), jnp.argmax(x, -1))
+  assert int(rollout.greedy(x)[1]) == 7 and int(rollout.greedy(jnp.full((1, 5), jnp.nan))[0]) == 4
+
+
 def test_pass_at_k_unbiased_estimator():
   assert rollout.pass_at_k(8, 0, 8) == 0.0 and rollout.pass_at_k(8, 1, 8) == 1.0
   assert rollout.pass_at_k(8, 2, 1) == pytest.approx(0.25)
