@@ -90,6 +90,18 @@ def test_flash_bf16_causal_segments():
   _check_attention(2, 32, 32, 4, 2, 32, jnp.bfloat16, True, seg, block_q=16, block_k=16)
 
 
+@pytest.mark.parametrize("T", [128, 300])
+def test_causal_reference_skips_blocks_above_the_diagonal_exactly(T):
+  # attention_reference splits causal queries into blocks that see only the keys up to their own end (nb = 2 at
+  # T=128, 4 at T=300, uneven blocks); the unsplit T x T masked square is the definition it must keep.
+  q, k, v, do = _qkv(jax.random.key(T), 2, T, T, 4, 2, 16, jnp.float32)
+  seg = jnp.asarray(np.repeat([[1] * (T // 3) + [2] * (T - T // 3)], 2, 0), jnp.int32)
+  square = lambda q, k, v: kernels._attention_block(q, k, v, seg, seg, 0, 16 ** -0.5)  # noqa: E731
+  blocked = jax.jit(lambda *a: _value_and_grads(lambda q, k, v: kernels.attention_reference(q, k, v, seg), *a))
+  for name, a, b in zip(("out", "dq", "dk", "dv"), blocked(q, k, v, do), _value_and_grads(square, q, k, v, do)):
+    _assert_close(a, b, 1e-5, name)
+
+
 def _check_decode(B, S, N, K, H, dtype, lengths, block_s, mesh=None):
   key = jax.random.key(S + N)
   q, k, v, _ = _qkv(key, B, 1, S, N, K, H, dtype)
