@@ -12,10 +12,11 @@ What is measured, in one run:
          random tokens, so every row is exactly T tokens (no padding).  Compile is excluded (one warm-up step,
          reported as compile_s); best and median of --steps steps, each ended by a host sync on its outputs.
 Model FLOPs per step (the MFU convention of PaLM, arXiv 2204.02311, App. B: matmuls only, no recompute):
-  per-token forward  f = 2 * (L * (D*N*H + 2*D*K*H + N*H*D + 3*D*F) + D*V) + 4 * L * N*H * T
-                     (QKV/O and SwiGLU projections, the lm head, and QK^T plus PV over all T keys: the jnp
-                     attention on CPU computes the full T x T block, masked)
-  step               B * T * (3 * f  [forward + 2x backward]  + f if kl_coef > 0  [reference forward])
+  sequence forward   f = 2 * (L * (D*N*H + 2*D*K*H + N*H*D + 3*D*F) + D*V) * T + 4 * L * N*H * P
+                     (QKV/O and SwiGLU projections, the lm head, and QK^T plus PV over the P (query, key) pairs
+                     the jnp attention computes on CPU: masked query blocks that skip the keys above the
+                     diagonal, kernels.causal_blocks; P = 3/4 T^2 at T=128, T^2 below 128)
+  step               B * (3 * f  [forward + 2x backward]  + f if kl_coef > 0  [reference forward])
 achieved FLOP/s = model FLOPs / best step time; fraction = achieved / measured peak.  Also tokens/s (B*T / s).
   torch  the same step in PyTorch eager (torch_reference: transformers' Qwen2 on the same weights, reference
          forward, PPO-clip + k3 KL, seq-mean-token-mean, clip 1.0, AdamW) at each --torch_threads count, timed
@@ -48,6 +49,7 @@ import numpy as np
 import bench_decode  # random_params, the shape flags
 import data
 import hostmem
+import kernels
 import losses
 import model
 import learner
@@ -128,11 +130,12 @@ def matmul_flops_per_s(m, k, n, reps, seed):
   return 2 * m * k * n / best
 
 
-def forward_flops_per_token(cfg, T):
-  """Matmul FLOPs of one token's forward (see the module docstring)."""
+def forward_flops_per_sequence(cfg, T):
+  """Matmul FLOPs of one T-token sequence's forward (see the module docstring)."""
   D, N, K, H, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffw_dim, cfg.n_layers
   proj = L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F) + D * cfg.vocab_size
-  return 2 * proj + 4 * L * N * H * T
+  scores = sum((b - a) * b for a, b in kernels.causal_blocks(T))  # (query, key) pairs the reference computes
+  return 2 * proj * T + 4 * L * N * H * scores
 
 
 def jaxpr_matmul_flops(jaxpr):
@@ -313,8 +316,7 @@ def main(argv=None):
   if not np.isfinite(loss):
     raise RuntimeError(f"training step produced a non-finite loss {loss}")
 
-  f_tok = forward_flops_per_token(cfg, T)
-  step_flops = B * T * f_tok * (3 + (lcfg.kl_coef > 0))
+  step_flops = B * forward_flops_per_sequence(cfg, T) * (3 + (lcfg.kl_coef > 0))
   # Cross-check of the formula against the traced step (tracing only, no compile).
   traced = jaxpr_matmul_flops(jax.make_jaxpr(learner.make_train_step(optimizer, loss_fn, 1))(
       params, opt_state, ref_params, batch))

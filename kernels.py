@@ -69,22 +69,27 @@ def attention_reference(q, k, v, segment_ids=None, *, causal=True, sm_scale=None
   S, K = k.shape[1], k.shape[2]
   assert N % K == 0, (N, K)
   sm_scale = H ** -0.5 if sm_scale is None else sm_scale
-  if not causal or T != S or T < 2 * CAUSAL_BLOCK_MIN:
+  if not causal or T != S:
     return _attention_block(q, k, v, segment_ids, segment_ids, 0 if causal else None, sm_scale)
-  # Causal: query block i needs only keys [0, end of block i), so split the queries into nb blocks and skip the
-  # keys above the diagonal (the Pallas kernel skips whole tiles the same way). The score matmuls and softmax then
-  # cover (nb + 1) / (2 nb) of the T x T square: 3/4 at T=128 (nb=2), 5/8 at T >= 256 (nb=4). The keys a block
-  # drops were masked to exp(-inf) = 0 anyway, so the forward is the same up to summation order (bitwise the same
-  # at nb=2 in tests/test_kernels.py). RESULTS.md (bench_train) has what it saves in the training step.
-  nb = min(CAUSAL_BLOCKS_MAX, T // CAUSAL_BLOCK_MIN)
-  edges = [T * i // nb for i in range(nb + 1)]
+  # Causal: query block [a, b) needs only keys [0, b), so the queries go in blocks that skip the keys above the
+  # diagonal (the Pallas kernel skips whole tiles the same way). The keys a block drops were masked to exp(-inf) = 0
+  # anyway, so the forward is the same up to summation order (tests/test_kernels.py). RESULTS.md (bench_train) has
+  # what it saves in the training step.
   seg = (lambda a, b: None) if segment_ids is None else (lambda a, b: segment_ids[:, a:b])
   return jnp.concatenate([_attention_block(q[:, a:b], k[:, :b], v[:, :b], seg(a, b), seg(0, b), a, sm_scale)
-                          for a, b in zip(edges, edges[1:])], axis=1)
+                          for a, b in causal_blocks(T)], axis=1)
 
 
 CAUSAL_BLOCK_MIN = 64  # queries per block of the causal reference, at least (smaller blocks cost more than they skip)
 CAUSAL_BLOCKS_MAX = 4  # query blocks of the causal reference, at most (fewer, larger matmuls; measured best on CPU)
+
+
+def causal_blocks(T):
+  """The causal reference's query blocks [(a, b), ...] at T == S; block (a, b) attends to keys [0, b). Its score
+  matmuls and softmax cover (nb + 1) / (2 nb) of the T x T square: 3/4 at T=128 (nb=2), 5/8 at T >= 256 (nb=4)."""
+  nb = max(1, min(CAUSAL_BLOCKS_MAX, T // CAUSAL_BLOCK_MIN))
+  edges = [T * i // nb for i in range(nb + 1)]
+  return list(zip(edges, edges[1:]))
 
 
 def _attention_block(q, k, v, q_seg, k_seg, q_start, sm_scale):
