@@ -163,8 +163,8 @@ class Engine:
     self.S = max_prompt_len + self.M + chunk_steps
     self.attn_impl = attn_impl
     self.state = None
-    # On XLA CPU every decode step copied each layer's weights out of the stacked [L,...] arrays (bench_decode's big
-    # shape: -7 ms of 60 per step without); so there the engine decodes from a per-layer copy made once per weight
+    # On XLA CPU every decode step copied each layer's weights out of the stacked [L,...] arrays (~7 ms of the 56 of
+    # bench_decode's big shape, RESULTS.md); so there the engine decodes from a per-layer copy made once per weight
     # version (model.unstack_layers): one more copy of the weights in host memory while that version is in use.
     # XLA TPU reads the stacked slices inside the matmuls, so on TPU the engine uses the weights as given.
     self._unstack = jax.jit(model.unstack_layers) if jax.default_backend() == "cpu" else None
