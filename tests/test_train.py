@@ -235,7 +235,9 @@ def test_hostmem_tune_stops_fresh_pages_in_every_step():
       f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
       f(x, w).block_until_ready()
       faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-    print(sum(faults[-4:]))  # the heap settles within the first ~10 calls
+    print(sorted(faults[-8:])[4])  # the median of the last 8 calls: the heap settles within the first few, and a
+    # call that still grows it (measured: ~25k faults at call 5-9 in 1 of 3 runs, once 32k over calls 13-16) is
+    # an outlier here, while glibc's defaults fault ~30k pages in every call
   """
   tail = {m: int(subprocess.run([sys.executable, "-c", code, m], cwd=benchutil.ROOT, env=benchutil.child_env(),
                                 capture_output=True, text=True, check=True).stdout) for m in ("default", "tuned")}
