@@ -236,8 +236,8 @@ def test_hostmem_tune_stops_fresh_pages_in_every_step():
       f(x, w).block_until_ready()
       faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     print(sorted(faults[-8:])[4])  # the median of the last 8 calls: the heap settles within the first few, and a
-    # call that still grows it (measured: ~25k faults at call 5-9 in 1 of 3 runs, once 32k over calls 13-16) is
-    # an outlier here, while glibc's defaults fault ~30k pages in every call
+    # call that still grows it (measured: 22-35k faults in some of calls 2-9 in 2 of 3 runs; 32k over calls 13-16
+    # in one CI-style run) is an outlier here, while glibc's defaults fault 22-40k pages in every call
   """
   tail = {m: int(subprocess.run([sys.executable, "-c", code, m], cwd=benchutil.ROOT, env=benchutil.child_env(),
                                 capture_output=True, text=True, check=True).stdout) for m in ("default", "tuned")}
