@@ -498,21 +498,26 @@ def unstack_layers(params):
   if isinstance(params["layers"], list):
     return params
   n = jax.tree.leaves(params["layers"])[0].shape[0]
-  return dict(params, layers=[jax.tree.map(lambda a: a[i], params["layers"]) for i in range(n)])
+  return dict(params, layers=[_layer(params["layers"], i) for i in range(n)])
 
 
-def _run_cached(params, cfg, tokens, positions, attn_fn):
+def _layer(layers, i):
+  """Layer i's weights from a per-layer list (unstack_layers) or from the stacked [L,...] arrays (static slices)."""
+  return layers[i] if isinstance(layers, list) else jax.tree.map(lambda a: a[i], layers)
+
+
+def _run_cached(params, cfg, tokens, positions, attn_fn, lengths):
   """Embed -> the L layers as a Python loop -> final norm, for prefill and decode: attn_fn(q, k, v, i) gets the
-  layer index i (its cache buffers). Returns (h [B,T,D] fp32, [y of each layer])."""
+  layer index i and returns (o, (layer i's new k buffer, v buffer)). Returns (h [B,T,D] fp32, the cache of those
+  buffers with `lengths`)."""
   x = _embed(params, tokens)
   cos, sin = _rope_tables(cfg, positions)
-  layers = params["layers"]
-  ys = []
+  ks, vs = [], []
   for i in range(cfg.n_layers):
-    lp = layers[i] if isinstance(layers, list) else jax.tree.map(lambda a: a[i], layers)
-    x, y = _block(x, lp, cfg, cos, sin, attn_fn, i)
-    ys.append(y)
-  return _rms_norm(x, params["final_norm"], cfg.rms_norm_eps), ys
+    x, (k, v) = _block(x, _layer(params["layers"], i), cfg, cos, sin, attn_fn, i)
+    ks.append(k)
+    vs.append(v)
+  return _rms_norm(x, params["final_norm"], cfg.rms_norm_eps), _constrain_cache({"k": ks, "v": vs, "lengths": lengths})
 
 
 def logits_from_hidden(params, cfg, h):
@@ -594,10 +599,8 @@ def prefill(params, cfg, tokens, lengths, cache, *, attn_impl="auto"):
     o = kernels.attention(q, k, v, segment_ids, causal=True, impl=attn_impl)
     return o, (write(cache["k"][i], k), write(cache["v"][i], v))
 
-  h, kv = _run_cached(params, cfg, tokens, positions, attn)
-  last = h[jnp.arange(B), lengths - 1]  # [B,D]
-  return logits_from_hidden(params, cfg, last), _constrain_cache(
-      {"k": [k for k, _ in kv], "v": [v for _, v in kv], "lengths": lengths})
+  h, filled = _run_cached(params, cfg, tokens, positions, attn, lengths)
+  return logits_from_hidden(params, cfg, h[jnp.arange(B), lengths - 1]), filled  # each row's last prompt token
 
 
 def decode_step(params, cfg, tokens, cache, *, attn_impl="auto"):
@@ -613,9 +616,8 @@ def decode_step(params, cfg, tokens, cache, *, attn_impl="auto"):
     o = kernels.decode_attention(q[:, 0], kc, vc, lengths + 1, impl=attn_impl)
     return o[:, None], (kc, vc)
 
-  h, kv = _run_cached(params, cfg, tokens[:, None], lengths[:, None], attn)
-  return logits_from_hidden(params, cfg, h[:, 0]), _constrain_cache(
-      {"k": [k for k, _ in kv], "v": [v for _, v in kv], "lengths": lengths + 1})
+  h, written = _run_cached(params, cfg, tokens[:, None], lengths[:, None], attn, lengths + 1)
+  return logits_from_hidden(params, cfg, h[:, 0]), written
 
 
 # ----------------------------------------------------------------------------------------------------- HF I/O

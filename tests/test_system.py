@@ -22,7 +22,7 @@ import param_server as ps
 import plot
 import learner
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = benchutil.ROOT
 STEPS = 48  # the last kill (server) lands at step >= 34 with the workers paused: the run still has steps to go
 
 
