@@ -7,7 +7,7 @@ Shapes (legend as in model.py): B batch, T query len, S key len, N q heads, K kv
       Causal by index within the sequence (T == S when causal or segment_ids are used); with segment_ids a
       query attends only to keys of the same segment id (packed sequences; id 0 is padding by convention, but
       padding still only attends to padding, so rows never are all -inf).
-  decode_attention(q [B,N,H], k_cache [B,K,S,H], v_cache [B,K,S,H], lengths [B] int32, impl="auto") -> [B,N,H]
+  decode_attention(q [B,N,H], k_cache [B,K,H,S], v_cache [B,K,S,H], lengths [B] int32, impl="auto") -> [B,N,H]
       One query per sequence against cache entries [0, lengths[b]) (the new token's k/v already written).
       lengths are clipped to [0, S]; callers pass lengths >= 1 (a length-0 row is all padding: the reference
       averages the whole row, the kernel returns zeros; neither is meaningful).
@@ -29,8 +29,10 @@ Design
   * decode_attention: grid (B, S / block_s) with the lengths scalar-prefetched into SMEM. The K/V index map
     clamps the block index to the last valid block of each row, so blocks past lengths[b] are never fetched
     (re-using a block index skips the DMA) and their compute is skipped: HBM traffic is proportional to
-    sum(lengths), not B*S (ragged batch). The kernel reads model.py's cache layout [B,K,S,H] as is: a block
-    is K contiguous runs of block_s rows, and the kernel loops over the K heads in VMEM.
+    sum(lengths), not B*S (ragged batch). The kernel reads model.py's cache layout as is (keys [B,K,H,S],
+    values [B,K,S,H]): a block is a [K, H, block_s] key tile and a [K, block_s, H] value tile, the kernel loops
+    over the K heads in VMEM, and both products are plain matmuls (q [G,H] x k [H,bs], p [G,bs] x v [bs,H]).
+    block_s is a multiple of 128 (the key tile's lane dim) unless it covers the whole cache.
     A partial last block (S % block_s != 0) is handled by masking, not by padding (which would copy the cache).
   * Sharding: on a mesh with axes ("data", "fsdp", "tensor"), batch is split over ("data", "fsdp") and heads
     over "tensor"; attention is independent per (batch row, kv head), so each shard runs the kernel on its
@@ -116,12 +118,13 @@ def _attention_block(q, k, v, q_seg, k_seg, q_start, sm_scale):
 
 def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale=None):
   B, N, H = q.shape
-  K, S = k_cache.shape[1], k_cache.shape[2]
+  K, S = v_cache.shape[1], v_cache.shape[2]
   sm_scale = H ** -0.5 if sm_scale is None else sm_scale
-  # The cache is [B,K,S,H]: (b, k) are the batch dims of both products and S, H the matrix dims, so XLA reads it
-  # in place ([B,S,K,H] needed a transposed copy of the whole cache per layer and step; RESULTS.md, bench_decode).
+  # Keys [B,K,H,S], values [B,K,S,H]: (b, k) are the batch dims of both products and each is a plain matmul on
+  # the buffers as stored ([B,S,K,H] needed a transposed copy of the whole cache per layer and step; keys [S,H]
+  # made XLA CPU's q x k^T 2-3x slower; RESULTS.md, bench_decode).
   qg = q.reshape(B, K, N // K, H)
-  s = jnp.einsum("bkgh,bksh->bkgs", qg, k_cache, preferred_element_type=jnp.float32) * sm_scale
+  s = jnp.einsum("bkgh,bkhs->bkgs", qg, k_cache, preferred_element_type=jnp.float32) * sm_scale
   valid = jnp.arange(S)[None, :] < lengths[:, None]  # [B,S]
   s = jnp.where(valid[:, None, None], s, NEG_INF)
   p = jax.nn.softmax(s, axis=-1)
@@ -366,7 +369,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def _check_block(name, block, multiple=8):
   if not isinstance(block, int) or block <= 0 or block % multiple:
-    raise ValueError(f"{name} must be a positive multiple of {multiple} (TPU sublane tiling), got {block!r}")
+    raise ValueError(f"{name} must be a positive multiple of {multiple} (TPU tiling), got {block!r}")
 
 
 def _check_attention_args(q, k, v, segment_ids, causal):
@@ -427,11 +430,12 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_sc
     valid_row = j * bs + lax.broadcasted_iota(jnp.int32, (1, bs), 1) < length  # [1,bs] over scores
     valid_col = j * bs + lax.broadcasted_iota(jnp.int32, (bs, 1), 0) < length  # [bs,1] over V rows
     for h in range(K):  # static loop over the kv heads of this row's tile
-      k = k_ref[h]  # [bs,H]
+      k = k_ref[h]  # [H,bs]
       # Rows past the length may be stale or (partial last block) unspecified memory: zero V so that
       # 0 * garbage cannot leak a NaN into the sum.
       v = jnp.where(valid_col, v_ref[h], 0)
-      s = jnp.where(valid_row, _dot_t(q_ref[h], k) * sm_scale, NEG_INF)  # [G,bs]
+      s = jnp.dot(q_ref[h], k, preferred_element_type=jnp.float32)  # [G,H] x [H,bs]
+      s = jnp.where(valid_row, s * sm_scale, NEG_INF)  # [G,bs]; stale columns past the length never selected
       pv = lambda p: jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # noqa: E731
       m_scr[h], l_scr[h], acc_scr[h] = _softmax_step(s, m_scr[h], l_scr[h], acc_scr[h], pv)
 
@@ -442,12 +446,12 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_sc
 
 
 def _check_decode_args(q, k_cache, v_cache, lengths):
-  if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
-    raise ValueError(f"decode_attention wants q [B,N,H], caches [B,K,S,H]; got {q.shape}, {k_cache.shape}, "
-                     f"{v_cache.shape}")
+  if q.ndim != 3 or v_cache.ndim != 4 or k_cache.shape != (*v_cache.shape[:2], v_cache.shape[3], v_cache.shape[2]):
+    raise ValueError(f"decode_attention wants q [B,N,H], k_cache [B,K,H,S], v_cache [B,K,S,H]; got {q.shape}, "
+                     f"{k_cache.shape}, {v_cache.shape}")
   B, N, H = q.shape
-  if k_cache.shape[0] != B or k_cache.shape[3] != H or N % k_cache.shape[1]:
-    raise ValueError(f"decode_attention: q {q.shape} and cache {k_cache.shape} disagree on B/H, or N % K != 0")
+  if v_cache.shape[0] != B or v_cache.shape[3] != H or N % v_cache.shape[1]:
+    raise ValueError(f"decode_attention: q {q.shape} and v_cache {v_cache.shape} disagree on B/H, or N % K != 0")
   if lengths.shape != (B,):
     raise ValueError(f"decode_attention: lengths must be [B]={(B,)}, got {lengths.shape}")
 
@@ -455,23 +459,24 @@ def _check_decode_args(q, k_cache, v_cache, lengths):
 def ragged_decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, block_s=256):
   """Pallas decode attention on one device's arrays; same contract as decode_attention_reference."""
   _check_decode_args(q, k_cache, v_cache, lengths)
-  _check_block("block_s", block_s)
+  _check_block("block_s", block_s, 128)  # the lane dim of the [H, block_s] key tile
   B, N, H = q.shape
-  _, K, S, _ = k_cache.shape
+  _, K, S, _ = v_cache.shape
   sm_scale = H ** -0.5 if sm_scale is None else float(sm_scale)
   G = N // K
   bs = min(block_s, S)  # a block equal to the full dim is always a legal TPU block
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
 
-  def kv_map(b, j, lengths_ref):
-    return b, 0, jnp.maximum(jnp.minimum(j, (lengths_ref[b] - 1) // bs), 0), 0
+  def last(b, j, lengths_ref):  # this row's block j, clamped to its last valid block (no DMA past the length)
+    return jnp.maximum(jnp.minimum(j, (lengths_ref[b] - 1) // bs), 0)
 
   qo_spec = pl.BlockSpec((None, K, G, H), lambda b, j, lengths_ref: (b, 0, 0, 0))
-  kv_spec = pl.BlockSpec((None, K, bs, H), kv_map)
+  k_spec = pl.BlockSpec((None, K, H, bs), lambda b, j, lengths_ref: (b, 0, 0, last(b, j, lengths_ref)))
+  v_spec = pl.BlockSpec((None, K, bs, H), lambda b, j, lengths_ref: (b, 0, last(b, j, lengths_ref), 0))
   o = pl.pallas_call(
       functools.partial(_decode_kernel, sm_scale=sm_scale, bs=bs),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1, grid=(B, pl.cdiv(S, bs)), in_specs=[qo_spec, kv_spec, kv_spec],
+          num_scalar_prefetch=1, grid=(B, pl.cdiv(S, bs)), in_specs=[qo_spec, k_spec, v_spec],
           out_specs=qo_spec,
           scratch_shapes=[pltpu.VMEM((K, G, 1), jnp.float32), pltpu.VMEM((K, G, 1), jnp.float32),
                           pltpu.VMEM((K, G, H), jnp.float32)]),

@@ -31,13 +31,16 @@ Design choices
     used at most once per array (first dim wins). E.g. 1x1x8 with K=2 kv heads: wk/wv/k/v/cache replicate K.
     `make_mesh` uses `AxisType.Auto` axes, so XLA's partitioner inserts the collectives (FSDP all-gathers,
     tensor-parallel reduce-scatters); model.py never uses shard_map.
-  * KV cache: dict(k, v: lists of L per-layer [B,K,S,H] arrays, lengths [B] int32), ragged: row b holds
+  * KV cache: dict(k: list of L per-layer [B,K,H,S] arrays, v: L [B,K,S,H], lengths [B] int32), ragged: row b holds
     positions [0, lengths[b]). Prefill writes [0, lengths[b]) from right-padded prompts; decode writes one token
     at position lengths[b] (also its RoPE position) and increments lengths. The caller keeps lengths < S: a write
     past the end is dropped by XLA's scatter (cannot raise inside jit). One buffer per layer, (b, k) leading:
     decode and prefill loop over the layers in Python (as jax-llm-examples does), each layer's new k/v is
     scattered into its own buffer in place (donated by the caller) and the attention reads it as is, with no
     per-layer slice or transposed copy of the cache (XLA CPU made both in a scan over a stacked [L,B,S,K,H]).
+    Keys are stored transposed, [H,S] per (b, k), so both attention products are plain [M,C] x [C,N] matmuls
+    (q [G,H] x k [H,S], p [G,S] x v [S,H]): XLA CPU ran q x k^T on an [S,H] key buffer 2-3x slower, and on TPU
+    the Pallas decode kernel gets [H, block_s] key tiles, the MXU's right-hand layout (RESULTS.md, bench_decode).
     The weights may be stacked (static slices per layer; XLA TPU reads them inside the matmuls) or a per-layer
     list (`unstack_layers`, what rollout.Engine decodes from on CPU, where the slices were copies).
   * HF I/O uses the `safetensors` numpy API (bf16 via ml_dtypes); HF Linear weights [out,in] are transposed into
@@ -346,9 +349,9 @@ def shard_params(params, cfg, mesh):
 
 
 def cache_axes():
-  """Logical axes of the cache: of each layer's k and v buffer [B,K,S,H], and of lengths [B]."""
-  layer = ("batch", "kv_heads", "cache_seq", "head_dim")
-  return {"k": layer, "v": layer, "lengths": ("batch",)}
+  """Logical axes of the cache: of each layer's k buffer [B,K,H,S] and v buffer [B,K,S,H], and of lengths [B]."""
+  return {"k": ("batch", "kv_heads", "head_dim", "cache_seq"), "v": ("batch", "kv_heads", "cache_seq", "head_dim"),
+          "lengths": ("batch",)}
 
 
 # ----------------------------------------------------------------------------------------------------- Params
@@ -563,10 +566,10 @@ def forward(params, cfg, tokens, positions=None, segment_ids=None, *, attn_impl=
 # --------------------------------------------------------------------------------------------------- KV cache
 
 def init_cache(cfg, batch, max_len, dtype=jnp.float32):
-  """Empty cache: k, v lists of L [B,K,S,H] zeros, lengths [B] int32 zeros."""
-  shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-  return {"k": [jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)],
-          "v": [jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)], "lengths": jnp.zeros((batch,), jnp.int32)}
+  """Empty cache: k a list of L [B,K,H,S] zeros, v of L [B,K,S,H] zeros, lengths [B] int32 zeros (S = max_len)."""
+  B, K, S, H = batch, cfg.n_kv_heads, max_len, cfg.head_dim
+  return {"k": [jnp.zeros((B, K, H, S), dtype) for _ in range(cfg.n_layers)],
+          "v": [jnp.zeros((B, K, S, H), dtype) for _ in range(cfg.n_layers)], "lengths": jnp.zeros((B,), jnp.int32)}
 
 
 def _constrain_cache(cache):
@@ -581,8 +584,8 @@ def prefill(params, cfg, tokens, lengths, cache, *, attn_impl="auto"):
   prompt token [B,V] and the cache. T must be <= the cache length S."""
   _check_tokens(tokens, 2, "prefill")
   B, T = tokens.shape
-  if T > cache["k"][0].shape[2] or cache["k"][0].shape[0] != B:
-    raise ValueError(f"prefill: tokens {tokens.shape} do not fit cache k {cache['k'][0].shape} [B,K,S,H] (need B "
+  if T > cache["v"][0].shape[2] or cache["v"][0].shape[0] != B:
+    raise ValueError(f"prefill: tokens {tokens.shape} do not fit cache v {cache['v'][0].shape} [B,K,S,H] (need B "
                      "equal, T <= S)")
   lengths = lengths.astype(jnp.int32)
   valid = jnp.arange(T)[None, :] < lengths[:, None]  # [B,T]
@@ -590,14 +593,14 @@ def prefill(params, cfg, tokens, lengths, cache, *, attn_impl="auto"):
   segment_ids = valid.astype(jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
-  m = valid[:, None, :, None]  # [B,1,T,1]
-
-  def write(c, new):  # new [B,T,K,H] -> positions [0, T) of c [B,K,S,H], the valid ones only
-    return c.at[:, :, :T].set(jnp.where(m, new.transpose(0, 2, 1, 3).astype(c.dtype), c[:, :, :T]))
+  def write(c, new, m, at):  # new [B,T,K,H] laid out as c -> c[at] (positions [0, T)), the valid (m) ones only
+    return c.at[at].set(jnp.where(m, new.astype(c.dtype), c[at]))
 
   def attn(q, k, v, i):
     o = kernels.attention(q, k, v, segment_ids, causal=True, impl=attn_impl)
-    return o, (write(cache["k"][i], k), write(cache["v"][i], v))
+    kc = write(cache["k"][i], k.transpose(0, 2, 3, 1), valid[:, None, None, :], (..., slice(0, T)))  # [B,K,H,S]
+    vc = write(cache["v"][i], v.transpose(0, 2, 1, 3), valid[:, None, :, None], (slice(None),) * 2 + (slice(0, T),))
+    return o, (kc, vc)
 
   h, filled = _run_cached(params, cfg, tokens, positions, attn, lengths)
   return logits_from_hidden(params, cfg, h[jnp.arange(B), lengths - 1]), filled  # each row's last prompt token
@@ -611,8 +614,8 @@ def decode_step(params, cfg, tokens, cache, *, attn_impl="auto"):
 
   def attn(q, k, v, i):
     # Write the new token into layer i's cache (in place: the caller donates the cache), then attend to it.
-    kc = cache["k"][i].at[rows, :, lengths].set(k[:, 0].astype(cache["k"][i].dtype))  # [B,K,S,H] at [b,:,len_b]
-    vc = cache["v"][i].at[rows, :, lengths].set(v[:, 0].astype(cache["v"][i].dtype))
+    kc = cache["k"][i].at[rows, :, :, lengths].set(k[:, 0].astype(cache["k"][i].dtype))  # [B,K,H,S] at [b,:,:,len_b]
+    vc = cache["v"][i].at[rows, :, lengths].set(v[:, 0].astype(cache["v"][i].dtype))  # [B,K,S,H] at [b,:,len_b]
     o = kernels.decode_attention(q[:, 0], kc, vc, lengths + 1, impl=attn_impl)
     return o[:, None], (kc, vc)
 

@@ -105,29 +105,28 @@ def test_causal_reference_skips_blocks_above_the_diagonal_exactly(T):
 def _check_decode(B, S, N, K, H, dtype, lengths, block_s, mesh=None):
   key = jax.random.key(S + N)
   q, k, v, _ = _qkv(key, B, 1, S, N, K, H, dtype)
-  q, k, v = q[:, 0], k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # the cache layout [B,K,S,H]
+  q, k, v = q[:, 0], k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # the cache layout: k [B,K,H,S], v [B,K,S,H]
   lengths = jnp.asarray(lengths, jnp.int32)
-  valid = (jnp.arange(S)[None, :] < lengths[:, None])[:, None, :, None]
+  valid = jnp.arange(S)[None, :] < lengths[:, None]
+  vk, vv = valid[:, None, None, :], valid[:, None, :, None]
   # Poison every cache entry past a row's length: the kernel must neither read it into the result nor let
   # 0 * NaN through. The reference sees zeros there (its masked weights are exactly 0).
-  poison = lambda x: jnp.where(valid, x, jnp.nan)
-  clean = lambda x: jnp.where(valid, x, 0)
   with pltpu.force_tpu_interpret_mode():
     got = _run(lambda *a: kernels.decode_attention(*a, impl="pallas", mesh=mesh, block_s=block_s),
-               q, poison(k), poison(v), lengths)
-  want = kernels.decode_attention_reference(q.astype(jnp.float32), clean(k).astype(jnp.float32),
-                                            clean(v).astype(jnp.float32), lengths)
+               q, jnp.where(vk, k, jnp.nan), jnp.where(vv, v, jnp.nan), lengths)
+  want = kernels.decode_attention_reference(q.astype(jnp.float32), jnp.where(vk, k, 0).astype(jnp.float32),
+                                            jnp.where(vv, v, 0).astype(jnp.float32), lengths)
   assert got.dtype == dtype and got.shape == (B, N, H)
   _assert_close(got, want, TOL[dtype], "decode")
 
 
 def test_decode_ragged_gqa2_partial_last_block():
-  # S=40 with block_s=16: the last block is partial. Lengths: 1, full, mid-block, exactly on a block boundary.
-  _check_decode(4, 40, 4, 2, 32, jnp.float32, [1, 40, 17, 32], block_s=16)
+  # S=300 with block_s=128: the last block is partial. Lengths: 1, full, mid-block, exactly on a block boundary.
+  _check_decode(4, 300, 4, 2, 32, jnp.float32, [1, 300, 141, 256], block_s=128)
 
 
 def test_decode_bf16_gqa8():
-  _check_decode(2, 32, 8, 1, 32, jnp.bfloat16, [3, 32], block_s=8)
+  _check_decode(2, 160, 8, 1, 32, jnp.bfloat16, [3, 160], block_s=128)
 
 
 def _mesh():
@@ -177,9 +176,13 @@ def test_bad_inputs_raise_clear_errors():
     kernels.attention(q, kv, kv, jnp.zeros((2, 8), jnp.int32), impl="pallas", mesh=_mesh())
   with pytest.raises(ValueError, match="impl must be"):
     kernels.attention(q, kv, kv, impl="flash")
+  k_cache, v_cache = kv.transpose(0, 2, 3, 1), kv.transpose(0, 2, 1, 3)  # [B,K,H,S], [B,K,S,H]
   with pytest.raises(ValueError, match="lengths must be"):
-    cache = kv.transpose(0, 2, 1, 3)  # [B,K,S,H]
-    kernels.decode_attention(q[:, 0], cache, cache, jnp.ones((3,), jnp.int32), impl="pallas")
+    kernels.decode_attention(q[:, 0], k_cache, v_cache, jnp.ones((3,), jnp.int32), impl="pallas")
+  with pytest.raises(ValueError, match=r"k_cache \[B,K,H,S\]"):  # keys in the values' layout
+    kernels.decode_attention(q[:, 0], v_cache, v_cache, jnp.ones((2,), jnp.int32), impl="pallas")
+  with pytest.raises(ValueError, match="block_s must be a positive multiple of 128"):
+    kernels.decode_attention(q[:, 0], k_cache, v_cache, jnp.ones((2,), jnp.int32), impl="pallas", block_s=64)
 
 
 def test_auto_impl_is_reference_off_tpu():

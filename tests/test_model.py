@@ -285,9 +285,11 @@ def test_prefill_decode_equals_forward_ragged(ckpts):
   print(f"\nprefill+decode vs forward: max rel err {max(_rel(g, full[np.arange(B), lengths - 1 + i]) for i, g in enumerate(got)):.1e}")
   np.testing.assert_array_equal(np.asarray(cache["lengths"]), lengths + n_steps)
   # Row 0 holds exactly prompt + decoded tokens; slots past that stay zero (prefill padding is not written).
-  k = np.stack([np.asarray(c) for c in cache["k"]])  # [L,B,K,S,H]
-  assert np.all(k[:, 0, :, lengths[0] + n_steps:] == 0)
-  assert np.all(np.abs(k[:, 0, :, :lengths[0] + n_steps]).sum(-1) > 0)
+  k = np.stack([np.asarray(c) for c in cache["k"]]).swapaxes(-1, -2)  # [L,B,K,H,S] -> [L,B,K,S,H]
+  v = np.stack([np.asarray(c) for c in cache["v"]])  # [L,B,K,S,H]
+  for x in (k, v):
+    assert np.all(x[:, 0, :, lengths[0] + n_steps:] == 0)
+    assert np.all(np.abs(x[:, 0, :, :lengths[0] + n_steps]).sum(-1) > 0)
 
 
 def test_packed_segments_equal_separate_sequences(ckpts):
@@ -402,9 +404,10 @@ def test_sharded_equals_single_device(shape, shard_case):
   # The outputs really are distributed as the table says (not silently replicated).
   want = M.logical_spec(("batch", "seq", "vocab"), logits.shape, mesh)
   assert logits.sharding.is_equivalent_to(NamedSharding(mesh, want), 3), (logits.sharding, want)
-  want_k = M.logical_spec(M.cache_axes()["k"], cache["k"][0].shape, mesh)
-  for c in cache["k"] + cache["v"]:
-    assert c.sharding.is_equivalent_to(NamedSharding(mesh, want_k), 4), (c.sharding, want_k)
+  for name in ("k", "v"):
+    want = M.logical_spec(M.cache_axes()[name], cache[name][0].shape, mesh)
+    for c in cache[name]:
+      assert c.sharding.is_equivalent_to(NamedSharding(mesh, want), 4), (name, c.sharding, want)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
