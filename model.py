@@ -354,6 +354,12 @@ def cache_axes():
           "lengths": ("batch",)}
 
 
+def cache_at(name, rows, pos):
+  """Index of cache buffer `name` ("k" or "v") at batch rows `rows` and sequence positions `pos`, wherever
+  cache_axes puts the sequence axis: the one place prefill, decode_step and rollout.Engine take it from."""
+  return (rows,) + (slice(None),) * (cache_axes()[name].index("cache_seq") - 1) + (pos,)
+
+
 # ----------------------------------------------------------------------------------------------------- Params
 
 def init_params(cfg, key, dtype=jnp.float32, std=0.02, normal=None, zero_bias=True):
@@ -593,13 +599,14 @@ def prefill(params, cfg, tokens, lengths, cache, *, attn_impl="auto"):
   segment_ids = valid.astype(jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
-  def write(c, new, m, at):  # new [B,T,K,H] laid out as c -> c[at] (positions [0, T)), the valid (m) ones only
+  def write(name, i, new, m):  # new laid out as layer i's buffer `name` -> its positions [0, T), the valid (m) ones
+    c, at = cache[name][i], cache_at(name, slice(None), slice(0, T))
     return c.at[at].set(jnp.where(m, new.astype(c.dtype), c[at]))
 
   def attn(q, k, v, i):
     o = kernels.attention(q, k, v, segment_ids, causal=True, impl=attn_impl)
-    kc = write(cache["k"][i], k.transpose(0, 2, 3, 1), valid[:, None, None, :], (..., slice(0, T)))  # [B,K,H,S]
-    vc = write(cache["v"][i], v.transpose(0, 2, 1, 3), valid[:, None, :, None], (slice(None),) * 2 + (slice(0, T),))
+    kc = write("k", i, k.transpose(0, 2, 3, 1), valid[:, None, None, :])  # [B,T,K,H] -> [B,K,H,T]
+    vc = write("v", i, v.transpose(0, 2, 1, 3), valid[:, None, :, None])  # [B,T,K,H] -> [B,K,T,H]
     return o, (kc, vc)
 
   h, filled = _run_cached(params, cfg, tokens, positions, attn, lengths)
@@ -614,8 +621,8 @@ def decode_step(params, cfg, tokens, cache, *, attn_impl="auto"):
 
   def attn(q, k, v, i):
     # Write the new token into layer i's cache (in place: the caller donates the cache), then attend to it.
-    kc = cache["k"][i].at[rows, :, :, lengths].set(k[:, 0].astype(cache["k"][i].dtype))  # [B,K,H,S] at [b,:,:,len_b]
-    vc = cache["v"][i].at[rows, :, lengths].set(v[:, 0].astype(cache["v"][i].dtype))  # [B,K,S,H] at [b,:,len_b]
+    kc = cache["k"][i].at[cache_at("k", rows, lengths)].set(k[:, 0].astype(cache["k"][i].dtype))  # [b,:,:,len_b]
+    vc = cache["v"][i].at[cache_at("v", rows, lengths)].set(v[:, 0].astype(cache["v"][i].dtype))  # [b,:,len_b]
     o = kernels.decode_attention(q[:, 0], kc, vc, lengths + 1, impl=attn_impl)
     return o[:, None], (kc, vc)
 

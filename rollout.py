@@ -193,11 +193,9 @@ class Engine:
     logits, one = model.prefill(params, self.cfg, prompts, lengths, one, attn_impl=self.attn_impl)
     c = st["cache"]
     put = lambda a, v: a.at[slots].set(v, mode="drop")  # noqa: E731
-    # Positions [0, T) of each layer's buffer: the last axis of k [B,K,H,S], the third of v [B,K,S,H].
-    copy = lambda big, new, *at: [a.at[(slots, *at, slice(0, T))].set(b[rows], mode="drop")  # noqa: E731
-                                  for a, b in zip(big, new)]
-    cache = dict(c, k=copy(c["k"], one["k"], ...), v=copy(c["v"], one["v"], slice(None)),
-                 lengths=put(c["lengths"], lengths[rows]))
+    copy = lambda n: [a.at[model.cache_at(n, slots, slice(0, T))].set(b[rows], mode="drop")  # noqa: E731
+                      for a, b in zip(c[n], one[n])]
+    cache = dict(c, k=copy("k"), v=copy("v"), lengths=put(c["lengths"], lengths[rows]))
     return dict(st, cache=cache, logits=put(st["logits"], logits[rows]), active=put(st["active"], True),
                 n_gen=put(st["n_gen"], 0), tokens=put(st["tokens"], 0), logp=put(st["logp"], 0.0),
                 versions=put(st["versions"], 0), logits_version=put(st["logits_version"], version),
