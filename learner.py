@@ -378,12 +378,16 @@ class Metrics:
   """jsonl metrics (process 0 only); one line per step."""
 
   def __init__(self, path):
-    self.f = open(path, "a") if jax.process_index() == 0 else None
+    self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if jax.process_index() == 0 else None
 
   def write(self, rec):
-    if self.f:
-      self.f.write(json.dumps(rec) + "\n")
-      self.f.flush()
+    # One write() per line: a buffered text file splits a long line (a step's sample ids run past 8 KiB) into
+    # several writes, and a reader tailing the file (plot.py, the system tests, a user's `tail -f | jq`) then sees
+    # a cut line that is not the sign of a crash.
+    if self.fd is not None:
+      data = (json.dumps(rec) + "\n").encode()
+      while data:
+        data = data[os.write(self.fd, data):]
 
 
 def teacher_completion(problem, slip: float, rng) -> str:

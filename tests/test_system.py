@@ -46,7 +46,8 @@ def steps_done(run):
   if not os.path.exists(path):
     return 0
   with open(path) as f:
-    return max([json.loads(l)["step"] for l in f if l.strip()] + [0])
+    # Only whole lines: the last one may be mid-write.
+    return max([json.loads(l)["step"] for l in f if l.endswith("\n") and l.strip()] + [0])
 
 
 def wait_until(cond, timeout, what, proc):
