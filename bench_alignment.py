@@ -61,6 +61,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import data  # noqa: E402
+import kernels  # noqa: E402
 import losses  # noqa: E402
 import model  # noqa: E402
 import rollout  # noqa: E402
@@ -230,6 +231,14 @@ WORKER_TP_CONFIGS = (
     ("fp32 aligned", W(F32, (1, 1, 8)), TR(F32, (2, 2, 2))),
     ("bf16 aligned", W(B16, (1, 1, 8)), TR(B16, (2, 2, 2))),
 )
+# Worker and trainer on the same mesh (--configs=same_mesh): the rows exact mode makes bitwise equal (issue 16).
+SAME_MESH_CONFIGS = (
+    ("fp32 aligned", W(F32), TR(F32)),
+    ("fp32 aligned T=0.7", W(F32, T=0.7), TR(F32, T=0.7)),
+    ("bf16 aligned", W(B16), TR(B16)),
+    ("fp32 aligned", W(F32, (1, 1, 2)), TR(F32, (1, 1, 2))),
+    ("bf16 aligned", W(B16, (1, 1, 2)), TR(B16, (1, 1, 2))),
+)
 
 
 def run(cfg, params, configs=CONFIGS, *, n_prompts=16, group_size=4, max_new_tokens=16, seed=0, log=print):
@@ -291,8 +300,15 @@ def main(argv=None):
   ap.add_argument("--seed", type=int, default=0, help="Seed for prompts, init and sampling. Default 0.")
   ap.add_argument("--worker_tp", action="store_true", help="Add rows with a tensor-parallel worker (1x1x8 mesh) "
                   "scored on a 2x2x2 trainer; about +45 s. Default off.")
+  ap.add_argument("--configs", choices=("default", "same_mesh"), default="default", help="Rows: default (CONFIGS: "
+                  "aligned across meshes, then one measure off at a time) or same_mesh (SAME_MESH_CONFIGS: worker and "
+                  "trainer on one mesh). Default default.")
+  ap.add_argument("--exact_logprobs", action="store_true", help="Exact mode (kernels.py): bitwise-equal log-probs "
+                  "on one mesh. Default off.")
   ap.add_argument("--out", default=None, help="Write the rows as JSON to this file. Default none.")
   a = ap.parse_args(argv)
+  if a.exact_logprobs:
+    kernels.enable_exact_mode()  # before the first computation (jax.devices() below starts the backend)
   if len(jax.devices()) < 8:
     raise SystemExit(f"bench_alignment needs 8 devices for the cross-mesh rows, got {len(jax.devices())}; "
                      "set XLA_FLAGS=--xla_force_host_platform_device_count=8 (this file does when it is unset)")
@@ -305,16 +321,17 @@ def main(argv=None):
     cfg = tiny_config()
     params = model.init_params(cfg, jax.random.PRNGKey(a.seed), std=a.init_std)
   t0 = time.time()
-  configs = CONFIGS + (WORKER_TP_CONFIGS if a.worker_tp else ())
+  configs = dict(default=CONFIGS, same_mesh=SAME_MESH_CONFIGS)[a.configs] + (WORKER_TP_CONFIGS if a.worker_tp else ())
   rows = run(cfg, params, configs, n_prompts=a.prompts, group_size=a.group_size, max_new_tokens=a.max_new_tokens,
              seed=a.seed, log=lambda s: print(s, file=sys.stderr, flush=True))
   print(f"model: {a.checkpoint or f'tiny random (init_std={a.init_std})'}  V={cfg.vocab_size} D={cfg.d_model} "
         f"L={cfg.n_layers}  {a.prompts} prompts x {a.group_size} samples x {a.max_new_tokens} tokens  "
-        f"backend={jax.default_backend()}  {time.time() - t0:.0f}s")
+        f"backend={jax.default_backend()}  exact_mode={kernels.exact_mode()}  {time.time() - t0:.0f}s")
   print(format_table(rows))
   if a.out:
     with open(a.out, "w") as f:
-      json.dump(dict(args=vars(a), backend=jax.default_backend(), rows=rows), f, indent=1)
+      json.dump(dict(args=vars(a), backend=jax.default_backend(), exact_mode=kernels.exact_mode(), rows=rows), f,
+                indent=1)
 
 
 if __name__ == "__main__":

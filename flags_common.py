@@ -15,6 +15,9 @@ def define_shared_flags(max_new_tokens):
   flags.DEFINE_string("template", "plain", "Prompt template (data.render_prompt): plain, chatml or hf (the "
                       "checkpoint's own chat_template from --tokenizer's tokenizer_config.json). Default plain.")
   flags.DEFINE_string("attn_impl", "auto", "Attention path: auto (Pallas on TPU), ref or pallas. Default auto.")
+  flags.DEFINE_bool("exact_logprobs", False, "Exact mode on XLA CPU (kernels.py): the worker's behaviour log-probs "
+                    "and the trainer's recomputed ones bitwise equal (same weights, tokens, mesh; attn_impl ref). Set "
+                    "it on the trainer and every worker (launch.sh local --exact_logprobs does). Default off.")
   flags.DEFINE_integer("server_retries", 30, "Reconnect attempts (exponential backoff, max 2 s apart) before giving up "
                        "on the server. Default 30.")
   flags.DEFINE_integer("max_staleness", 4, "Max policy-version lag (versions) of a rollout: the trainer trains none "

@@ -47,6 +47,7 @@ Run
 """
 import functools
 import math
+import os
 import sys
 import time
 
@@ -61,6 +62,68 @@ NEG_INF = -1e30  # finite: a fully-masked row gives a uniform softmax instead of
 PAD_SEGMENT = jnp.iinfo(jnp.int32).min  # segment id of padded keys/queries: matches no real id
 BATCH_AXES = ("data", "fsdp")  # mesh axes the batch dim is split over
 HEAD_AXIS = "tensor"  # mesh axis the head dims are split over
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Exact mode: bitwise-equal worker and trainer log-probs on XLA CPU (issue 16; README "Exact log-probs").
+# The worker scores a token in a [B,1] decode step, the trainer in a [B,T] forward: the same row, in arrays of
+# other shapes. Two things made that row come out differently in the last bit (measured, jaxlib 0.10.2):
+#  1. XLA CPU hands large elementwise/reduce fusions to YNNPACK, whose exp and summation order differ from XLA's
+#     own, above a size threshold that one side crosses and the other not. EXACT_XLA_FLAG keeps only single dots
+#     on YNNPACK; their per-row results do not depend on the number of rows (XLA's own dot emitter's do, so
+#     switching YNNPACK off altogether does not work). It is an experimental flag: off by default, and it must be
+#     in XLA_FLAGS before the backend starts (enable_exact_mode, called first thing by the entry points).
+#  2. XLA's reduce emitter picks its accumulation order from the whole array's shape. In exact mode every sum over
+#     a row (attention softmax, RMSNorm, log-softmax over the vocab) is `rowsum`, a pairwise tree of elementwise
+#     adds over halves of the last axis: a row's result depends only on that row, and zeros at its end (masked
+#     keys, a cache longer than the sequence) do not change it.
+# Off, rowsum/softmax/log_softmax are exactly jnp.sum/jax.nn.softmax/jax.nn.log_softmax (the bits every figure in
+# RESULTS.md was measured with). Pallas (TPU) kernels are not covered: the guarantee is XLA CPU with attn_impl=ref.
+
+EXACT_XLA_FLAG = "--xla_cpu_experimental_ynn_fusion_type=individual_dot"
+
+
+def exact_mode():
+  return EXACT_XLA_FLAG in os.environ.get("XLA_FLAGS", "").split()
+
+
+def enable_exact_mode():
+  """Turns exact mode on for this process. XLA reads XLA_FLAGS once, when the backend starts: call this before
+  the first computation (train.py and rollout.py do it first thing in main when --exact_logprobs is set)."""
+  if not exact_mode():
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + EXACT_XLA_FLAG).strip()
+
+
+def rowsum(x):
+  """Sum over the last axis, [..., n] -> [...]; in exact mode bitwise independent of the leading shape and of
+  trailing zeros (a tree over 2^m entries whose second half is zero is the tree over the first half)."""
+  if not exact_mode():
+    return jnp.sum(x, axis=-1)
+  n = x.shape[-1]
+  p = 1 << max(n - 1, 0).bit_length()
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, p - n)]) if p != n else x
+  while x.shape[-1] > 1:
+    x = x[..., :x.shape[-1] // 2] + x[..., x.shape[-1] // 2:]
+  return x[..., 0]
+
+
+def logsumexp(x):
+  """m + log(rowsum(exp(x - m))) over the last axis: the trainer's formula (losses._logp_entropy_fwd)."""
+  m = jnp.max(x, axis=-1)
+  return m + jnp.log(rowsum(jnp.exp(x - m[..., None])))
+
+
+def softmax(x):
+  """Softmax over the last axis (jax.nn.softmax unless in exact mode)."""
+  if not exact_mode():
+    return jax.nn.softmax(x, axis=-1)
+  e = jnp.exp(x - lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
+  return e / rowsum(e)[..., None]
+
+
+def log_softmax(x):
+  """Log-softmax over the last axis (jax.nn.log_softmax unless in exact mode, then x - logsumexp(x))."""
+  return x - logsumexp(x)[..., None] if exact_mode() else jax.nn.log_softmax(x, axis=-1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -111,7 +174,7 @@ def _attention_block(q, k, v, q_seg, k_seg, q_start, sm_scale):
   if q_seg is not None:
     mask &= q_seg[:, :, None] == k_seg[:, None, :]
   s = jnp.where(mask[:, None, None], s, NEG_INF)
-  p = jax.nn.softmax(s, axis=-1)
+  p = softmax(s)
   o = jnp.einsum("bkgts,bksh->bkgth", p.astype(v.dtype), vt, preferred_element_type=jnp.float32)
   return o.transpose(0, 3, 1, 2, 4).reshape(B, Tq, N, H).astype(q.dtype)
 
@@ -127,7 +190,7 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale=None):
   s = jnp.einsum("bkgh,bkhs->bkgs", qg, k_cache, preferred_element_type=jnp.float32) * sm_scale
   valid = jnp.arange(S)[None, :] < lengths[:, None]  # [B,S]
   s = jnp.where(valid[:, None, None], s, NEG_INF)
-  p = jax.nn.softmax(s, axis=-1)
+  p = softmax(s)
   o = jnp.einsum("bkgs,bksh->bkgh", p.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
   return o.reshape(B, N, H).astype(q.dtype)
 

@@ -421,7 +421,7 @@ _proj.defvjp(_proj_fwd, _proj_bwd)
 def _rms_norm(x, w, eps):
   # fp32 statistics regardless of param dtype (HF does the same).
   x = x.astype(jnp.float32)
-  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  x = x * jax.lax.rsqrt(kernels.rowsum(x * x)[..., None] / x.shape[-1] + eps)  # rowsum: exact mode (kernels.py)
   return w.astype(jnp.float32) * x
 
 
@@ -531,6 +531,11 @@ def _run_cached(params, cfg, tokens, positions, attn_fn, lengths):
 
 def logits_from_hidden(params, cfg, h):
   """h [..., D] (final normed hidden) -> fp32 logits [..., V]; lets a loss compute log-probs in chunks."""
+  if kernels.exact_mode() and h.ndim == 2:
+    # Exact mode (kernels.py): the rows of prefill and decode_step as [B,1,D], the training forward's form (XLA CPU
+    # lays a [B,D] x [D,V] product out differently and its rows came out differently); one row (a one-prompt
+    # prefill) as two, since a one-row product takes the matrix-vector path, with another accumulation order.
+    return logits_from_hidden(params, cfg, h[:, None] if h.shape[0] > 1 else jnp.stack([h, h], 1)[:1])[:, 0]
   # The tied head goes through _proj too (embed.T folds into the dot): its weight gradient is then h^T @ dlogits,
   # transposed back as a small [D,V]; autodiff's einsum transposed the [B*T,V] dlogits (31 ms of bench_train's step).
   logits = _dot("...d,dv->...v", h, params["embed"].T if cfg.tie_embeddings else params["lm_head"])

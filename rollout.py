@@ -51,6 +51,7 @@ import numpy as np
 import data
 import flags_common
 import hostmem
+import kernels
 import model
 import shards
 
@@ -72,9 +73,10 @@ class SamplingConfig:
       raise ValueError(f"bad sampling config {self}")
 
 
-def sampling_logprobs(logits, sc: SamplingConfig):
-  """[B,V] fp32 logits -> [B,V] log-probs of the distribution we sample from (temperature, top-k, top-p)."""
-  x = logits.astype(jnp.float32) / (sc.temperature if sc.temperature > 0 else 1.0)
+def sampling_logits(logits, sc: SamplingConfig):
+  """[B,V] fp32 logits -> [B,V] the scaled logits we sample from (temperature; -inf outside top-k / top-p)."""
+  # Times 1/T as losses._logp_entropy_fwd does (XLA may or may not rewrite / T into this product).
+  x = logits.astype(jnp.float32) * (1.0 / (sc.temperature if sc.temperature > 0 else 1.0))
   if sc.top_k:
     kth = jax.lax.top_k(x, sc.top_k)[0][:, -1:]
     x = jnp.where(x < kth, -jnp.inf, x)
@@ -86,7 +88,12 @@ def sampling_logprobs(logits, sc: SamplingConfig):
     keep_sorted = (jnp.cumsum(sp, -1) - sp) < sc.top_p
     keep = jnp.zeros_like(keep_sorted).at[jnp.arange(x.shape[0])[:, None], order].set(keep_sorted)
     x = jnp.where(keep, x, -jnp.inf)
-  return jax.nn.log_softmax(x, -1)
+  return x
+
+
+def sampling_logprobs(logits, sc: SamplingConfig):
+  """[B,V] fp32 logits -> [B,V] log-probs of the distribution we sample from (temperature, top-k, top-p)."""
+  return kernels.log_softmax(sampling_logits(logits, sc))  # in exact mode x - logsumexp(x) (kernels.py)
 
 
 def greedy(x):
@@ -129,6 +136,13 @@ def sample(logits, keys, sc: SamplingConfig):
   distribution it was drawn from."""
   logp = sampling_logprobs(logits, sc)
   tok = greedy(logp) if sc.temperature == 0 else inverse_cdf_sample(logp, keys)
+  if kernels.exact_mode():
+    # The trainer's expression, op for op (losses._logp_entropy_fwd: the token's logit times 1/T, minus the
+    # log-sum-exp): the same value as logp[tok], but XLA may contract the scaling and the subtraction of the [B,V]
+    # form into one fused multiply-add, and then the last bit differs from the trainer's.
+    x = sampling_logits(logits, sc)
+    inv_t = 1.0 / (sc.temperature if sc.temperature > 0 else 1.0)
+    return tok.astype(jnp.int32), jnp.take_along_axis(logits, tok[:, None], -1)[:, 0] * inv_t - kernels.logsumexp(x)
   return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
 
 
@@ -858,6 +872,8 @@ def run_eval():
 def main(argv):
   del argv
   hostmem.tune()  # before the first JAX computation: XLA's step buffers reused, not page-faulted in every step
+  if FLAGS.exact_logprobs:
+    kernels.enable_exact_mode()  # also before the first computation: an XLA flag (kernels.py)
   if FLAGS.tokenizer is None:
     raise app.UsageError("--tokenizer is required")
   if FLAGS.mode == "eval":

@@ -486,6 +486,8 @@ def run_rl():
 def main(argv):
   del argv
   hostmem.tune()  # before the first JAX computation: XLA's step buffers reused, not page-faulted in every step
+  if FLAGS.exact_logprobs:
+    kernels.enable_exact_mode()  # also before the first computation: an XLA flag (kernels.py)
   if FLAGS.tokenizer is None:
     raise app.UsageError("--tokenizer is required")
   os.makedirs(FLAGS.run_dir, exist_ok=True)

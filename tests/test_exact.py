@@ -1,0 +1,66 @@
+"""Exact mode (issue 16 item 4, kernels.py): the worker's behaviour log-probs (rollout.Engine: prefill + KV-cache
+decode) and the trainer's recomputation (learner.rl_batch + the ops of learner.rl_loss over the padded [B,T] batch)
+are bitwise equal for the same weights, tokens and mesh, in fp32 and bf16, on one device and on a 1x1x2
+tensor-parallel worker scored by a trainer on the same mesh.
+
+Exact mode is an XLA flag read when the backend starts, so it runs in a child process (bench_alignment.py, the
+command that measures it); this process, in the default mode, checks that the same rows are not exact without it
+(so the child's zeros are exact mode's doing) and that the mode's reductions keep their contract.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import bench_alignment as ba
+import benchutil
+import kernels
+import model
+
+SMALL = dict(n_prompts=4, group_size=2, max_new_tokens=8)  # 8 rows: the 1x1x2 mesh splits heads, not the batch
+
+
+def test_exact_mode_bitwise_equal_logprobs(tmp_path):
+  out = str(tmp_path / "exact.json")
+  cmd = [sys.executable, "bench_alignment.py", "--exact_logprobs", "--configs=same_mesh", f"--out={out}",
+         f"--prompts={SMALL['n_prompts']}", f"--group_size={SMALL['group_size']}",
+         f"--max_new_tokens={SMALL['max_new_tokens']}"]
+  # A timeout, so that a hang inside XLA (the experimental flag; wip/README.md) fails the test instead of CI.
+  p = subprocess.run(cmd, cwd=benchutil.ROOT, env=benchutil.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                     text=True, timeout=420)
+  assert p.returncode == 0, p.stdout[-3000:]
+  res = json.load(open(out))
+  assert res["exact_mode"] is True
+  names = [(r["worker"], r["trainer"]) for r in res["rows"]]
+  assert len(names) == len(ba.SAME_MESH_CONFIGS) and any("1x1x2" in w for w, _ in names), names
+  for r in res["rows"]:
+    assert r["n_tokens"] == SMALL["n_prompts"] * SMALL["group_size"] * SMALL["max_new_tokens"], r
+    assert r["max"] == 0.0 and r["k3"] == 0.0 and r["rl_loss_mismatch_max"] == 0.0, r  # rl_loss: what train.py logs
+
+
+def test_default_mode_is_not_exact():
+  # The same model, prompts and first row as the child above (bench_alignment.main's init), in the default mode.
+  assert not kernels.exact_mode()
+  cfg = ba.tiny_config()
+  params = model.init_params(cfg, jax.random.PRNGKey(0), std=0.1)
+  rows = ba.run(cfg, params, ba.SAME_MESH_CONFIGS[:1], log=lambda s: None, **SMALL)
+  assert rows[0]["max"] > 0.0, rows
+
+
+def test_rowsum_contract(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " " + kernels.EXACT_XLA_FLAG)
+  assert kernels.exact_mode()
+  x = jax.random.normal(jax.random.PRNGKey(0), (6, 37), jnp.float32)
+  s = kernels.rowsum(x)
+  np.testing.assert_allclose(s, x.sum(-1), rtol=1e-5, atol=1e-5)
+  # Trailing zeros (masked keys, a longer cache) do not change a row's bits, nor does the rest of the batch.
+  padded = jnp.pad(x, ((0, 0), (0, 91)))
+  assert (kernels.rowsum(padded) == s).all()
+  assert (jax.jit(kernels.rowsum)(x[2:3]) == s[2:3]).all()
+  p = kernels.softmax(x)
+  np.testing.assert_allclose(p, jax.nn.softmax(x, -1), rtol=1e-6)
+  np.testing.assert_allclose(kernels.log_softmax(x), jax.nn.log_softmax(x, -1), rtol=1e-6, atol=1e-6)
