@@ -3,6 +3,7 @@ GSM8K-shaped jsonl of ~200-token prompts (one too long to fit) made here, run as
 `launch.sh local --init_checkpoint --train_jsonl --eval_jsonl --template=hf`, no length flags. The trainer must
 skip the long prompt at load (file:line), reach its steps (no worker crash loop), log the new metrics, save
 flags.json, and export a final/ that transformers loads with its tokenizer; pass@k is evaluated before and after.
+It runs in exact mode (--exact_logprobs, bf16): every on-policy step's mismatch_max in metrics.jsonl is exactly 0.
 ~1-2 min on 2 cores."""
 import json
 import os
@@ -56,7 +57,8 @@ def test_real_checkpoint_gsm8k_jsonl_run(tmp_path):
   cmd = ["bash", "launch.sh", "local", f"--run_dir={run}", f"--init_checkpoint={ckpt}", f"--train_jsonl={train}",
          f"--eval_jsonl={evalf}", "--template=hf", f"--steps={STEPS}", "--workers=1", "--max_new_tokens=16",
          f"--port={free_port()}", "--worker_args=--slots=4 --verifier_workers=1",
-         "--", "--prompts_per_step=2", "--group_size=2", "--lr=1e-4"]
+         # Exact mode (issue 16) through the real processes: bf16 on both sides, one device each.
+         "--exact_logprobs", "--", "--prompts_per_step=2", "--group_size=2", "--lr=1e-4", "--param_dtype=bfloat16"]
   p = subprocess.run(cmd, cwd=ROOT, env=benchutil.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                      text=True, timeout=600)
   assert p.returncode == 0, p.stdout[-3000:]
@@ -69,6 +71,10 @@ def test_real_checkpoint_gsm8k_jsonl_run(tmp_path):
   assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
   for k in ("time", "lr", "reward_std", "truncated_frac"):
     assert all(k in r for r in recs), k
+  # On-policy steps (every rollout made with the weights trained on) have bitwise-equal log-probs in exact mode.
+  on_policy = [r for r in recs if r["staleness_max"] == 0]
+  assert on_policy and all(r["mismatch_max"] == 0.0 and r["mismatch_k3"] == 0.0 for r in on_policy), \
+      [(r["step"], r["staleness_max"], r["mismatch_max"]) for r in recs]
   assert json.load(open(os.path.join(run, "flags.json")))["train_jsonl"] == train
   from transformers import AutoModelForCausalLM, AutoTokenizer
   final = os.path.join(run, "final")
