@@ -6,11 +6,12 @@ What is measured, in one run:
          moves): the ceiling XLA's CPU backend reaches on this box.  Also timed: the model's largest matmul
          shape ([B*T,D] x [D,F], the MLP up-projection) as the ceiling for matmuls of this size.
   step   learner.make_train_step(learner.make_optimizer(...), learner.rl_loss, grad_accum=1) jitted with donated
-         params/optimizer state exactly as train.run_rl builds it, fp32, on one device, losses.ALGORITHMS
-         [--algo] (GRPO by default; --kl_coef > 0 adds the frozen reference forward, as the trainer does) on a
-         synthetic batch from learner.rl_batch: B/G groups of G completions, prompts of T/2 and completions of T/2
-         random tokens, so every row is exactly T tokens (no padding).  Compile is excluded (one warm-up step,
-         reported as compile_s); best and median of --steps steps, each ended by a host sync on its outputs.
+         params/optimizer state exactly as train.run_rl builds it, in --param_dtype (fp32 by default), on one
+         device, losses.ALGORITHMS [--algo] (GRPO by default; --kl_coef > 0 adds the frozen reference forward, as
+         the trainer does) on a synthetic batch from learner.rl_batch: B/G groups of G completions, prompts of T/2
+         and completions of T/2 random tokens, so every row is exactly T tokens (no padding).  Compile is
+         excluded (one warm-up step, reported as compile_s); best and median of --steps steps, each ended by a
+         host sync on its outputs.
 Model FLOPs per step (the MFU convention of PaLM, arXiv 2204.02311, App. B: matmuls only, no recompute):
   sequence forward   f = 2 * (L * (D*N*H + 2*D*K*H + N*H*D + 3*D*F) + D*V) * T + 4 * L * N*H * P
                      (QKV/O and SwiGLU projections, the lm head, and QK^T plus PV over the P (query, key) pairs
@@ -28,6 +29,7 @@ achieved FLOP/s = model FLOPs / best step time; fraction = achieved / measured p
   python bench_train.py --batch=32 --seq_len=256 --json=train.json
   python bench_train.py --host_malloc=default          # the same without hostmem.tune() (its A/B)
   python bench_train.py --quick                          # tiny smoke run (tests/test_bench.py)
+  python bench_train.py --exact_ab=3                     # what exact mode (--exact_logprobs) costs, bf16, A/B
   python bench_train.py --d_model=512 --n_layers=8 --vocab=32000 --batch=2 --group_size=2 --memory_seq_lens=1024,4096,8192
                                                          # memory per token: plain / --remat / --logprob_chunk
 """
@@ -38,6 +40,7 @@ import math
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -81,6 +84,12 @@ def parse_args(argv=None):
   p.add_argument("--host_malloc", default="tuned", choices=("tuned", "default"), help="glibc malloc of this "
                  "process (both sides): tuned = hostmem.tune() as train.py runs, default = glibc's (A/B); "
                  "--quick keeps glibc's: it runs inside pytest, whose process stays untuned (tests/conftest.py)")
+  p.add_argument("--param_dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype of the "
+                 "step (train.py's --param_dtype; master weights stay fp32)")
+  p.add_argument("--exact_logprobs", action="store_true", help="exact mode (kernels.py), as train.py "
+                 "--exact_logprobs")
+  p.add_argument("--exact_ab", type=int, default=0, help="rounds (count) of an A/B of exact mode: child runs of "
+                 "this script, bf16, default vs --exact_logprobs alternating, no torch; 0 = off")
   p.add_argument("--quick", action="store_true", help="tiny shapes, 2 steps, kl_coef 0 unless "
                  "--kl_coef, torch at 1 thread unless --torch_threads; for tests (overrides the shape flags)")
   a = p.parse_args(argv)
@@ -265,8 +274,40 @@ def minor_faults():
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def exact_ab(a, argv):
+  """What exact mode costs in step time: --exact_ab rounds of two child processes (the mode is an XLA flag, fixed
+  when a process's backend starts), bf16, alternating so that both sides see the same load."""
+  argv = [x for x in argv if not x.startswith(("--exact_ab", "--json", "--param_dtype", "--torch_threads"))]
+  out, side = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_train_ab_{os.getpid()}.json"), {}
+  for r in range(a.exact_ab):
+    for exact in (False, True):
+      cmd = [sys.executable, os.path.abspath(__file__), *argv, "--param_dtype=bfloat16", "--torch_threads=0",
+             f"--json={out}"] + (["--exact_logprobs"] if exact else [])
+      subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+      with open(out) as f:
+        side.setdefault(exact, []).append(json.load(f))
+  os.remove(out)
+  res = {}
+  for exact, runs in side.items():
+    best, med = min(x["step_s_best"] for x in runs), statistics.median(x["step_s_median"] for x in runs)
+    res["exact" if exact else "default"] = dict(step_s_best=best, step_s_median=med, runs=runs)
+    print(f"bf16 step, {'exact mode  ' if exact else 'default mode'}: best {best * 1e3:.1f} ms, median of run "
+          f"medians {med * 1e3:.1f} ms ({len(runs)} runs)")
+  res["exact_over_default_best"] = res["exact"]["step_s_best"] / res["default"]["step_s_best"]
+  print(f"exact / default (best): {res['exact_over_default_best']:.3f}x")
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump(res, f, indent=1)
+  return res
+
+
 def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
   a = parse_args(argv)
+  if a.exact_ab:
+    return exact_ab(a, argv)
+  if a.exact_logprobs:
+    kernels.enable_exact_mode()  # before the first computation
   tuned = a.host_malloc == "tuned" and hostmem.tune()  # before the first JAX computation, as train.main
   rng = np.random.default_rng(a.seed)
   peak = matmul_flops_per_s(a.matmul_n, a.matmul_n, a.matmul_n, a.matmul_reps, a.seed)
@@ -288,7 +329,8 @@ def main(argv=None):
   opt_state = jax.jit(lambda p: jax.tree.map(jnp.copy, optimizer.init(p)))(params)
   ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(policy) if lcfg.kl_coef > 0 else None
   loss_fn = lambda p, r, b: learner.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0,  # noqa: E731
-                                          compute_dtype=jnp.float32, attn_impl="auto", value_coef=0.5)
+                                          compute_dtype=jnp.dtype(a.param_dtype), attn_impl="auto",
+                                          value_coef=0.5)
   step = jax.jit(learner.make_train_step(optimizer, loss_fn, 1), donate_argnums=(0, 1))
   batch, _, _ = learner.rl_batch(synthetic_groups(a, rng), lcfg, 0, (T,), T // 2)
   assert batch["tokens"].shape == (B, T), batch["tokens"].shape
@@ -326,6 +368,7 @@ def main(argv=None):
                   ffw_dim=cfg.ffw_dim, vocab=cfg.vocab_size, n_params=int(n_params), batch=B, seq_len=T,
                   group_size=a.group_size, algo=a.algo, kl_coef=lcfg.kl_coef, steps=a.steps,
                   matmul_n=a.matmul_n, cores=os.cpu_count(), loadavg_1m=os.getloadavg()[0],
+                  param_dtype=a.param_dtype, exact_mode=kernels.exact_mode(),
                   host_malloc="tuned" if tuned else "default"),
       peak_matmul_flops_per_s=peak, peak_matmul_flops_per_s_before=peak_before,
       peak_matmul_flops_per_s_after=peak_after, model_shape_matmul_flops_per_s=shape_peak,
@@ -336,7 +379,8 @@ def main(argv=None):
       minor_faults_per_step=faults)
 
   print(f"model D={cfg.d_model} L={cfg.n_layers} N={cfg.n_heads} K={cfg.n_kv_heads} F={cfg.ffw_dim} "
-        f"V={cfg.vocab_size} ({n_params / 1e6:.2f} M params, fp32, tied embeddings); batch {B}x{T} tokens; "
+        f"V={cfg.vocab_size} ({n_params / 1e6:.2f} M params, {a.param_dtype} compute"
+        f"{', exact mode' if kernels.exact_mode() else ''}, tied embeddings); batch {B}x{T} tokens; "
         f"{a.algo} kl_coef={lcfg.kl_coef}; cores={os.cpu_count()} (jax {jax.__version__})")
   print(f"peak matmul fp32 {a.matmul_n}^3: {peak / 1e9:8.2f} GFLOP/s (best of before/after the steps: "
         f"{peak_before / 1e9:.2f}, {peak_after / 1e9:.2f})   model-shape matmul "
