@@ -15,6 +15,9 @@ Shapes (legend as in model.py): B batch, T query len, S key len, N q heads, K kv
 impl: "ref" (jnp), "pallas" (TPU kernel; on CPU only under force_tpu_interpret_mode), "auto" (pallas on TPU,
 ref elsewhere). Both public functions also take `mesh=None` and block sizes; see "Sharding" below.
 
+  rowsum / softmax / log_softmax / logsumexp over the last axis: what model.py, losses.py and rollout.py reduce
+      rows with. In exact mode (enable_exact_mode, --exact_logprobs) they are batch-invariant, see "Exact mode".
+
 Design
   * flash_attention: one custom_vjp over three Pallas kernels (forward; dK/dV; dQ), FlashAttention-2 style
     online softmax with fp32 running max / sum / accumulator in VMEM scratch and the log-sum-exp saved for the
@@ -70,15 +73,23 @@ HEAD_AXIS = "tensor"  # mesh axis the head dims are split over
 # other shapes. Two things made that row come out differently in the last bit (measured, jaxlib 0.10.2):
 #  1. XLA CPU hands large elementwise/reduce fusions to YNNPACK, whose exp and summation order differ from XLA's
 #     own, above a size threshold that one side crosses and the other not. EXACT_XLA_FLAG keeps only single dots
-#     on YNNPACK; their per-row results do not depend on the number of rows (XLA's own dot emitter's do, so
-#     switching YNNPACK off altogether does not work). It is an experimental flag: off by default, and it must be
-#     in XLA_FLAGS before the backend starts (enable_exact_mode, called first thing by the entry points).
+#     on YNNPACK. Its bf16 products (fp32 accumulation) give each row the same bits whatever the number of rows,
+#     from 2 rows up; its fp32 products do not below 64 rows (measured with jnp.dot on an AVX-512 box: [M,384] x
+#     [384,F] rows differ for M = 2..48 against M = 256, F = 128..2048), and the decode step has B rows, its
+#     attention G. So exact mode is bf16 only (train.py refuses it with fp32). XLA's own dot emitter (YNNPACK off
+#     altogether) is not row-invariant either. The flag is experimental: off by default, and it must be in
+#     XLA_FLAGS before the backend starts (enable_exact_mode, called first thing by the entry points).
 #  2. XLA's reduce emitter picks its accumulation order from the whole array's shape. In exact mode every sum over
 #     a row (attention softmax, RMSNorm, log-softmax over the vocab) is `rowsum`, a pairwise tree of elementwise
 #     adds over halves of the last axis: a row's result depends only on that row, and zeros at its end (masked
 #     keys, a cache longer than the sequence) do not change it.
+#  3. Two forms of the same product: the lm head on [B,D] rows (prefill's last tokens, a decode step) came out
+#     differently from the same rows of [B,T,D]; model.logits_from_hidden computes them as [B,1,D] (one row as two:
+#     a 1-row product takes the matrix-vector path). And the drawn token's log-prob is the trainer's expression
+#     (rollout.sample), since XLA may fuse the temperature's product into the [B,V] subtraction.
 # Off, rowsum/softmax/log_softmax are exactly jnp.sum/jax.nn.softmax/jax.nn.log_softmax (the bits every figure in
-# RESULTS.md was measured with). Pallas (TPU) kernels are not covered: the guarantee is XLA CPU with attn_impl=ref.
+# RESULTS.md was measured with). Pallas (TPU) kernels are not covered: the guarantee is XLA CPU with attn_impl=ref,
+# the same tensor-parallel split on worker and trainer (another split reassociates sums), a worker of >= 2 slots.
 
 EXACT_XLA_FLAG = "--xla_cpu_experimental_ynn_fusion_type=individual_dot"
 

@@ -546,6 +546,10 @@ def define_flags():
       ("drain_s", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
       ("verifier_timeout_s", positive, "finite and > 0")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
+  flags.register_multi_flags_validator(
+      ["exact_logprobs", "slots"], lambda f: not f["exact_logprobs"] or f["slots"] >= 2,
+      message="--exact_logprobs needs --slots >= 2 (a one-row decode step takes XLA CPU's matrix-vector path, "
+              "whose rows differ from the trainer's; kernels.py)")
 
 
 def _client(token):

@@ -58,7 +58,7 @@ def test_real_checkpoint_gsm8k_jsonl_run(tmp_path):
          f"--eval_jsonl={evalf}", "--template=hf", f"--steps={STEPS}", "--workers=1", "--max_new_tokens=16",
          f"--port={free_port()}", "--worker_args=--slots=4 --verifier_workers=1",
          # Exact mode (issue 16) through the real processes: bf16 on both sides, one device each.
-         "--exact_logprobs", "--", "--prompts_per_step=2", "--group_size=2", "--lr=1e-4", "--param_dtype=bfloat16"]
+         "--exact_logprobs", "--", "--prompts_per_step=2", "--group_size=2", "--lr=1e-4"]
   p = subprocess.run(cmd, cwd=ROOT, env=benchutil.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                      text=True, timeout=600)
   assert p.returncode == 0, p.stdout[-3000:]

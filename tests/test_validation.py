@@ -37,6 +37,7 @@ BAD_FLAGS = [
     ("rollout", ["--lease_s=nan"], "--lease_s must be finite and > 0"),
     ("rollout", ["--verifier_timeout_s=0"], "--verifier_timeout_s must be finite and > 0"),
     ("rollout", ["--k=0"], "--k must be >= 1"),
+    ("rollout", ["--exact_logprobs", "--slots=1"], "--exact_logprobs needs --slots >= 2"),
 ]
 
 _PROBE = r"""
