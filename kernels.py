@@ -68,13 +68,13 @@ HEAD_AXIS = "tensor"  # mesh axis the head dims are split over
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Exact mode: bitwise-equal worker and trainer log-probs on XLA CPU (issue 16; README "Exact log-probs").
+# Exact mode: bitwise-equal worker and trainer log-probs on XLA CPU (issue 16; README "Exact on-policy log-probs").
 # The worker scores a token in a [B,1] decode step, the trainer in a [B,T] forward: the same row, in arrays of
 # other shapes. Two things made that row come out differently in the last bit (measured, jaxlib 0.10.2):
 #  1. XLA CPU hands large elementwise/reduce fusions to YNNPACK, whose exp and summation order differ from XLA's
 #     own, above a size threshold that one side crosses and the other not. EXACT_XLA_FLAG keeps only single dots
 #     on YNNPACK. Its bf16 products (fp32 accumulation) give each row the same bits whatever the number of rows,
-#     from 2 rows up; its fp32 products do not below 64 rows (measured with jnp.dot on an AVX-512 box: [M,384] x
+#     from 2 rows up, on a CPU with AVX512-BF16 (exact_mode_measured_cpu); its fp32 products do not below 64 rows (measured with jnp.dot on an AVX-512 box: [M,384] x
 #     [384,F] rows differ for M = 2..48 against M = 256, F = 128..2048), and the decode step has B rows, its
 #     attention G. So exact mode is bf16 only (train.py refuses it with fp32). XLA's own dot emitter (YNNPACK off
 #     altogether) is not row-invariant either. The flag is experimental: off by default, and it must be in
@@ -96,6 +96,16 @@ EXACT_XLA_FLAG = "--xla_cpu_experimental_ynn_fusion_type=individual_dot"
 
 def exact_mode():
   return EXACT_XLA_FLAG in os.environ.get("XLA_FLAGS", "").split()
+
+
+def exact_mode_measured_cpu():
+  """Whether this CPU is of the kind exact mode's bitwise equality was measured on: one with AVX512-BF16 (YNNPACK's
+  bf16 products there are row-invariant). On others YNNPACK picks other kernels; not measured (no such box here)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      return "avx512_bf16" in f.read().split()
+  except OSError:
+    return False
 
 
 def enable_exact_mode():

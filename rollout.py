@@ -73,10 +73,14 @@ class SamplingConfig:
       raise ValueError(f"bad sampling config {self}")
 
 
+def _inv_temperature(sc: SamplingConfig):
+  # Logits are scaled by 1/T as losses._logp_entropy_fwd does (XLA may or may not rewrite / T into this product).
+  return 1.0 / (sc.temperature if sc.temperature > 0 else 1.0)
+
+
 def sampling_logits(logits, sc: SamplingConfig):
   """[B,V] fp32 logits -> [B,V] the scaled logits we sample from (temperature; -inf outside top-k / top-p)."""
-  # Times 1/T as losses._logp_entropy_fwd does (XLA may or may not rewrite / T into this product).
-  x = logits.astype(jnp.float32) * (1.0 / (sc.temperature if sc.temperature > 0 else 1.0))
+  x = logits.astype(jnp.float32) * _inv_temperature(sc)
   if sc.top_k:
     kth = jax.lax.top_k(x, sc.top_k)[0][:, -1:]
     x = jnp.where(x < kth, -jnp.inf, x)
@@ -134,15 +138,15 @@ def inverse_cdf_sample(logp, keys, block: int = 128):
 def sample(logits, keys, sc: SamplingConfig):
   """Returns (tokens [B] int32, behaviour log-probs [B] fp32): the log-prob of each drawn token under the
   distribution it was drawn from."""
-  logp = sampling_logprobs(logits, sc)
+  x = sampling_logits(logits, sc)
+  logp = kernels.log_softmax(x)  # sampling_logprobs
   tok = greedy(logp) if sc.temperature == 0 else inverse_cdf_sample(logp, keys)
   if kernels.exact_mode():
     # The trainer's expression, op for op (losses._logp_entropy_fwd: the token's logit times 1/T, minus the
     # log-sum-exp): the same value as logp[tok], but XLA may contract the scaling and the subtraction of the [B,V]
     # form into one fused multiply-add, and then the last bit differs from the trainer's.
-    x = sampling_logits(logits, sc)
-    inv_t = 1.0 / (sc.temperature if sc.temperature > 0 else 1.0)
-    return tok.astype(jnp.int32), jnp.take_along_axis(logits, tok[:, None], -1)[:, 0] * inv_t - kernels.logsumexp(x)
+    tgt = jnp.take_along_axis(logits, tok[:, None], -1)[:, 0] * _inv_temperature(sc)
+    return tok.astype(jnp.int32), tgt - kernels.logsumexp(x)
   return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
 
 

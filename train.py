@@ -170,7 +170,7 @@ def define_flags():
   flags.register_multi_flags_validator(
       ["exact_logprobs", "param_dtype"], lambda f: not f["exact_logprobs"] or f["param_dtype"] == "bfloat16",
       message="--exact_logprobs needs --param_dtype=bfloat16: on XLA CPU only bf16 products are row-invariant, fp32 "
-              "ones are not below 64 rows (kernels.py, README 'Exact log-probs')")
+              "ones are not below 64 rows (kernels.py, README 'Exact on-policy log-probs')")
   flags.register_multi_flags_validator(
       ["group_size", "dynamic_sampling"], lambda f: f["group_size"] >= 2 or not f["dynamic_sampling"],
       message="--dynamic_sampling needs --group_size >= 2 (a group of 1 always has zero variance: every group "
@@ -493,6 +493,9 @@ def main(argv):
   hostmem.tune()  # before the first JAX computation: XLA's step buffers reused, not page-faulted in every step
   if FLAGS.exact_logprobs:
     kernels.enable_exact_mode()  # also before the first computation: an XLA flag (kernels.py)
+    if not kernels.exact_mode_measured_cpu():
+      logging.warning("--exact_logprobs: this CPU has no AVX512-BF16, where exact mode was not measured: log-probs "
+                      "may still differ in the last bits (metrics.jsonl's mismatch_max shows it every step)")
   if FLAGS.tokenizer is None:
     raise app.UsageError("--tokenizer is required")
   os.makedirs(FLAGS.run_dir, exist_ok=True)

@@ -1,7 +1,8 @@
 """Exact mode (issue 16 item 4, kernels.py): the worker's behaviour log-probs (rollout.Engine: prefill + KV-cache
 decode) and the trainer's recomputation (learner.rl_batch + the ops of learner.rl_loss over the padded [B,T] batch)
 are bitwise equal for the same weights, tokens and mesh in bf16, on one device and on a 1x1x2 tensor-parallel
-worker scored by a trainer on the same mesh, at T=1 and T=0.7. fp32 is not exact (kernels.py says why).
+worker scored by a trainer on the same mesh, at T=1 and T=0.7, on a CPU with AVX512-BF16 (where it was measured;
+kernels.exact_mode_measured_cpu). fp32 is not exact (kernels.py says why).
 tests/test_real_run.py checks the same through launch.sh's processes (metrics.jsonl's mismatch_max).
 
 Exact mode is an XLA flag read when the backend starts, so it runs in a child process (bench_alignment.py, the
@@ -40,10 +41,12 @@ def test_exact_mode_bitwise_equal_logprobs(tmp_path):
   assert len(names) == len(ba.SAME_MESH_CONFIGS) and any("1x1x2" in w for w, _ in names), names
   for r in res["rows"]:
     assert r["n_tokens"] == SMALL["n_prompts"] * SMALL["group_size"] * SMALL["max_new_tokens"], r
-    if r["worker"].startswith("bfloat16"):  # rl_loss_mismatch_max: what train.py logs every step
-      assert r["max"] == 0.0 and r["k3"] == 0.0 and r["rl_loss_mismatch_max"] == 0.0, r
-    else:  # fp32: not exact (kernels.py), still within the alignment bound
+    if not r["worker"].startswith("bfloat16"):  # fp32: not exact (kernels.py), still within the alignment bound
       assert 0.0 <= r["max"] <= 1e-5, r
+    elif kernels.exact_mode_measured_cpu():  # rl_loss_mismatch_max: what train.py logs every step
+      assert r["max"] == 0.0 and r["k3"] == 0.0 and r["rl_loss_mismatch_max"] == 0.0, r
+    else:  # another CPU: YNNPACK's kernels there are not measured; at most what the default mode gives (~1e-2)
+      assert r["max"] <= 2e-2, r
 
 
 def test_default_mode_is_not_exact():
