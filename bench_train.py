@@ -29,7 +29,7 @@ achieved FLOP/s = model FLOPs / best step time; fraction = achieved / measured p
   python bench_train.py --batch=32 --seq_len=256 --json=train.json
   python bench_train.py --host_malloc=default          # the same without hostmem.tune() (its A/B)
   python bench_train.py --quick                          # tiny smoke run (tests/test_bench.py)
-  python bench_train.py --exact_ab=3                     # what exact mode (--exact_logprobs) costs, bf16, A/B
+  python bench_train.py --exact_ab=3 [--param_dtype=bfloat16]   # what exact mode (--exact_logprobs) costs, A/B
   python bench_train.py --d_model=512 --n_layers=8 --vocab=32000 --batch=2 --group_size=2 --memory_seq_lens=1024,4096,8192
                                                          # memory per token: plain / --remat / --logprob_chunk
 """
@@ -89,7 +89,7 @@ def parse_args(argv=None):
   p.add_argument("--exact_logprobs", action="store_true", help="exact mode (kernels.py), as train.py "
                  "--exact_logprobs")
   p.add_argument("--exact_ab", type=int, default=0, help="rounds (count) of an A/B of exact mode: child runs of "
-                 "this script, bf16, default vs --exact_logprobs alternating, no torch; 0 = off")
+                 "this script at --param_dtype, default vs --exact_logprobs alternating, no torch; 0 = off")
   p.add_argument("--quick", action="store_true", help="tiny shapes, 2 steps, kl_coef 0 unless "
                  "--kl_coef, torch at 1 thread unless --torch_threads; for tests (overrides the shape flags)")
   a = p.parse_args(argv)
@@ -276,12 +276,12 @@ def minor_faults():
 
 def exact_ab(a, argv):
   """What exact mode costs in step time: --exact_ab rounds of two child processes (the mode is an XLA flag, fixed
-  when a process's backend starts), bf16, alternating so that both sides see the same load."""
-  argv = [x for x in argv if not x.startswith(("--exact_ab", "--json", "--param_dtype", "--torch_threads"))]
+  when a process's backend starts) at --param_dtype, alternating so that both sides see the same load."""
+  argv = [x for x in argv if not x.startswith(("--exact_ab", "--json", "--torch_threads"))]
   out, side = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_train_ab_{os.getpid()}.json"), {}
   for r in range(a.exact_ab):
     for exact in (False, True):
-      cmd = [sys.executable, os.path.abspath(__file__), *argv, "--param_dtype=bfloat16", "--torch_threads=0",
+      cmd = [sys.executable, os.path.abspath(__file__), *argv, "--torch_threads=0",
              f"--json={out}"] + (["--exact_logprobs"] if exact else [])
       subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
       with open(out) as f:
@@ -291,8 +291,8 @@ def exact_ab(a, argv):
   for exact, runs in side.items():
     best, med = min(x["step_s_best"] for x in runs), statistics.median(x["step_s_median"] for x in runs)
     res["exact" if exact else "default"] = dict(step_s_best=best, step_s_median=med, runs=runs)
-    print(f"bf16 step, {'exact mode  ' if exact else 'default mode'}: best {best * 1e3:.1f} ms, median of run "
-          f"medians {med * 1e3:.1f} ms ({len(runs)} runs)")
+    print(f"{a.param_dtype} step, {'exact mode  ' if exact else 'default mode'}: best {best * 1e3:.1f} ms, "
+          f"median of run medians {med * 1e3:.1f} ms ({len(runs)} runs)")
   res["exact_over_default_best"] = res["exact"]["step_s_best"] / res["default"]["step_s_best"]
   print(f"exact / default (best): {res['exact_over_default_best']:.3f}x")
   if a.json:

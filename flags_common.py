@@ -16,9 +16,9 @@ def define_shared_flags(max_new_tokens):
                       "checkpoint's own chat_template from --tokenizer's tokenizer_config.json). Default plain.")
   flags.DEFINE_string("attn_impl", "auto", "Attention path: auto (Pallas on TPU), ref or pallas. Default auto.")
   flags.DEFINE_bool("exact_logprobs", False, "Exact mode on XLA CPU (kernels.py): the worker's behaviour log-probs "
-                    "and the trainer's recomputed ones bitwise equal (same weights, tokens, mesh; attn_impl ref; bf16: "
-                    "the trainer needs --param_dtype=bfloat16, a worker --slots >= 2). Set it on the trainer and every "
-                    "worker (launch.sh local --exact_logprobs does). Default off.")
+                    "and the trainer's recomputed ones bitwise equal (same weights, tokens, mesh; attn_impl ref; a worker "
+                    "needs --slots >= 2; fp32 products cost six bf16 ones). Set it on the trainer and every worker "
+                    "(launch.sh local --exact_logprobs does). Default off.")
   flags.DEFINE_integer("server_retries", 30, "Reconnect attempts (exponential backoff, max 2 s apart) before giving up "
                        "on the server. Default 30.")
   flags.DEFINE_integer("max_staleness", 4, "Max policy-version lag (versions) of a rollout: the trainer trains none "

@@ -15,8 +15,9 @@ Shapes (legend as in model.py): B batch, T query len, S key len, N q heads, K kv
 impl: "ref" (jnp), "pallas" (TPU kernel; on CPU only under force_tpu_interpret_mode), "auto" (pallas on TPU,
 ref elsewhere). Both public functions also take `mesh=None` and block sizes; see "Sharding" below.
 
-  rowsum / softmax / log_softmax / logsumexp over the last axis: what model.py, losses.py and rollout.py reduce
-      rows with. In exact mode (enable_exact_mode, --exact_logprobs) they are batch-invariant, see "Exact mode".
+  rowsum / softmax / log_softmax / logsumexp over the last axis, and einsum (fp32 result): what model.py, losses.py
+      and rollout.py reduce rows and multiply with. In exact mode (enable_exact_mode, --exact_logprobs) they are
+      batch-invariant, see "Exact mode".
 
 Design
   * flash_attention: one custom_vjp over three Pallas kernels (forward; dK/dV; dQ), FlashAttention-2 style
@@ -70,15 +71,16 @@ HEAD_AXIS = "tensor"  # mesh axis the head dims are split over
 # ----------------------------------------------------------------------------------------------------------
 # Exact mode: bitwise-equal worker and trainer log-probs on XLA CPU (issue 16; README "Exact on-policy log-probs").
 # The worker scores a token in a [B,1] decode step, the trainer in a [B,T] forward: the same row, in arrays of
-# other shapes. Two things made that row come out differently in the last bit (measured, jaxlib 0.10.2):
+# other shapes. Three things made that row come out differently in the last bit (measured, jaxlib 0.10.2):
 #  1. XLA CPU hands large elementwise/reduce fusions to YNNPACK, whose exp and summation order differ from XLA's
 #     own, above a size threshold that one side crosses and the other not. EXACT_XLA_FLAG keeps only single dots
 #     on YNNPACK. Its bf16 products (fp32 accumulation) give each row the same bits whatever the number of rows,
-#     from 2 rows up, on a CPU with AVX512-BF16 (exact_mode_measured_cpu); its fp32 products do not below 64 rows (measured with jnp.dot on an AVX-512 box: [M,384] x
-#     [384,F] rows differ for M = 2..48 against M = 256, F = 128..2048), and the decode step has B rows, its
-#     attention G. So exact mode is bf16 only (train.py refuses it with fp32). XLA's own dot emitter (YNNPACK off
-#     altogether) is not row-invariant either. The flag is experimental: off by default, and it must be in
-#     XLA_FLAGS before the backend starts (enable_exact_mode, called first thing by the entry points).
+#     from 2 rows up, on a CPU with AVX512-BF16 (exact_mode_measured_cpu); its fp32 products do not below 64 rows
+#     (measured with jnp.dot on that box: [M,384] x [384,F] rows differ for M = 2..48 against M = 256,
+#     F = 128..2048), and the decode step has B rows, its attention G. So in exact mode an fp32 product is six
+#     bf16 ones (`einsum`, below). XLA's own dot emitter (YNNPACK off altogether) is not row-invariant either.
+#     The flag is experimental: off by default, and it must be in XLA_FLAGS before the backend starts
+#     (enable_exact_mode, called first thing by the entry points).
 #  2. XLA's reduce emitter picks its accumulation order from the whole array's shape. In exact mode every sum over
 #     a row (attention softmax, RMSNorm, log-softmax over the vocab) is `rowsum`, a pairwise tree of elementwise
 #     adds over halves of the last axis: a row's result depends only on that row, and zeros at its end (masked
@@ -87,9 +89,10 @@ HEAD_AXIS = "tensor"  # mesh axis the head dims are split over
 #     differently from the same rows of [B,T,D]; model.logits_from_hidden computes them as [B,1,D] (one row as two:
 #     a 1-row product takes the matrix-vector path). And the drawn token's log-prob is the trainer's expression
 #     (rollout.sample), since XLA may fuse the temperature's product into the [B,V] subtraction.
-# Off, rowsum/softmax/log_softmax are exactly jnp.sum/jax.nn.softmax/jax.nn.log_softmax (the bits every figure in
-# RESULTS.md was measured with). Pallas (TPU) kernels are not covered: the guarantee is XLA CPU with attn_impl=ref,
-# the same tensor-parallel split on worker and trainer (another split reassociates sums), a worker of >= 2 slots.
+# Off, rowsum/softmax/log_softmax/einsum are exactly jnp.sum/jax.nn.softmax/jax.nn.log_softmax/jnp.einsum (the bits
+# every figure in RESULTS.md was measured with). Pallas (TPU) kernels are not covered: the guarantee is XLA CPU with
+# attn_impl=ref, the same tensor-parallel split on worker and trainer (another split reassociates sums), a worker
+# of >= 2 slots.
 
 EXACT_XLA_FLAG = "--xla_cpu_experimental_ynn_fusion_type=individual_dot"
 
@@ -126,6 +129,28 @@ def rowsum(x):
   while x.shape[-1] > 1:
     x = x[..., :x.shape[-1] // 2] + x[..., x.shape[-1] // 2:]
   return x[..., 0]
+
+
+def einsum(eq, x, y):
+  """jnp.einsum with an fp32 result (preferred_element_type). In exact mode, fp32 operands are each split into three
+  bf16 parts (x = x0 + x1 + x2, 24 bits in all) and the product is the fixed-order fp32 sum of the six bf16 products
+  with i + j <= 2 (what XLA calls BF16_BF16_F32_X6, about fp32's accuracy): bf16 products are row-invariant where
+  fp32 ones are not (see "Exact mode"), so the sum is too. Six products instead of one: exact mode's fp32 price."""
+  if not (exact_mode() and x.dtype == jnp.float32 and y.dtype == jnp.float32):
+    return jnp.einsum(eq, x, y, preferred_element_type=jnp.float32)
+  xs, ys = _split_bf16(x), _split_bf16(y)
+  out = None
+  for i, j in ((2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0)):  # smallest terms first
+    t = jnp.einsum(eq, xs[i], ys[j], preferred_element_type=jnp.float32)
+    out = t if out is None else out + t
+  return out
+
+
+def _split_bf16(x):
+  hi = x.astype(jnp.bfloat16)
+  r = x - hi.astype(jnp.float32)
+  mid = r.astype(jnp.bfloat16)
+  return hi, mid, (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
 def logsumexp(x):
@@ -188,7 +213,7 @@ def _attention_block(q, k, v, q_seg, k_seg, q_start, sm_scale):
   # batched matmuls and their transposes 1.4x slower (RESULTS.md, bench_train).
   qg = q.reshape(B, Tq, K, N // K, H).transpose(0, 2, 3, 1, 4)
   kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-  s = jnp.einsum("bkgth,bksh->bkgts", qg, kt, preferred_element_type=jnp.float32) * sm_scale
+  s = einsum("bkgth,bksh->bkgts", qg, kt) * sm_scale
   mask = jnp.ones((B, Tq, S), bool)
   if q_start is not None:
     mask &= (jnp.arange(q_start, q_start + Tq)[:, None] >= jnp.arange(S)[None, :])[None]
@@ -196,7 +221,7 @@ def _attention_block(q, k, v, q_seg, k_seg, q_start, sm_scale):
     mask &= q_seg[:, :, None] == k_seg[:, None, :]
   s = jnp.where(mask[:, None, None], s, NEG_INF)
   p = softmax(s)
-  o = jnp.einsum("bkgts,bksh->bkgth", p.astype(v.dtype), vt, preferred_element_type=jnp.float32)
+  o = einsum("bkgts,bksh->bkgth", p.astype(v.dtype), vt)
   return o.transpose(0, 3, 1, 2, 4).reshape(B, Tq, N, H).astype(q.dtype)
 
 
@@ -208,11 +233,11 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale=None):
   # the buffers as stored ([B,S,K,H] needed a transposed copy of the whole cache per layer and step; keys [S,H]
   # made XLA CPU's q x k^T 2-3x slower; RESULTS.md, bench_decode).
   qg = q.reshape(B, K, N // K, H)
-  s = jnp.einsum("bkgh,bkhs->bkgs", qg, k_cache, preferred_element_type=jnp.float32) * sm_scale
+  s = einsum("bkgh,bkhs->bkgs", qg, k_cache) * sm_scale
   valid = jnp.arange(S)[None, :] < lengths[:, None]  # [B,S]
   s = jnp.where(valid[:, None, None], s, NEG_INF)
   p = softmax(s)
-  o = jnp.einsum("bkgs,bksh->bkgh", p.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
+  o = einsum("bkgs,bksh->bkgh", p.astype(v_cache.dtype), v_cache)
   return o.reshape(B, N, H).astype(q.dtype)
 
 

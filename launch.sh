@@ -25,7 +25,7 @@
 #   --seed=0 (SFT init, training problems and data order; part of the run's identity)
 #   --chaos / --no_chaos (default: on for the demo, off otherwise: worker0 SIGKILLed and the trainer SIGTERMed
 #   mid-run, see chaos()); --print_settings (what the run would use, then exit); --exact_logprobs (trainer and
-#   workers in exact mode, bf16: bitwise-equal log-probs, kernels.py); anything after "--" goes to train.py.
+#   workers in exact mode: bitwise-equal log-probs, kernels.py); anything after "--" goes to train.py.
 # Layout of a run dir: run.json (the run's identity and flags), ports, logs/<role>.log, pids/<role>.pid, token
 # (server secret), tokenizer-<task>.model, base/ (HF checkpoint of the warm-started policy), ckpt/ (trainer),
 # server/ (server persistence), jax_cache/ (compiled programs), final/, eval_*.json; STOP while stopping.
@@ -364,21 +364,20 @@ run_local() {
                  --init_checkpoint="$base" --tokenizer="$TOKENIZER" "${rl_flags[@]}"
                  --max_new_tokens="$MAX_NEW" --template="$TEMPLATE" --shard_servers="$shard_addrs")
     [ -n "$STEPS" ] && train+=(--steps="$STEPS")
-    # Exact mode (kernels.py): both sides, bf16 (the only dtype it covers; flags after -- still override).
-    local exact_train=() exact_worker=()
-    [ $EXACT = 1 ] && exact_train=(--exact_logprobs --param_dtype=bfloat16) exact_worker=(--exact_logprobs)
+    local exact=()  # exact mode (kernels.py): trainer and workers both, or the log-probs differ anyway
+    [ $EXACT = 1 ] && exact=(--exact_logprobs)
     [ -n "$TRAIN_JSONL" ] && train+=(--train_jsonl="$TRAIN_JSONL")
     for i in $(seq 0 $((TRAINER_PROCS - 1))); do
       local mp=()
       [ "$TRAINER_PROCS" -gt 1 ] && mp=(--num_processes="$TRAINER_PROCS" --process_id="$i"
                                         --coordinator=127.0.0.1:"$coord_port")
-      start_role "trainer$i" "${train[@]}" "${exact_train[@]}" "${mp[@]}" "${EXTRA[@]}"
+      start_role "trainer$i" "${train[@]}" "${exact[@]}" "${mp[@]}" "${EXTRA[@]}"
     done
     for i in $(seq 0 $((WORKERS - 1))); do
       # --worker_devices=K: K fake CPU devices per worker, weights tensor-parallel over them (reshard on pull).
       start_role "worker$i" env XLA_FLAGS="--xla_force_host_platform_device_count=$WORKER_DEVICES" \
         "$PY" rollout.py --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token" --tensor_parallel="$WORKER_DEVICES" \
-        --tokenizer="$TOKENIZER" --worker_id="worker$i" --seed="$i" "${exact_worker[@]}" $WORKER_ARGS
+        --tokenizer="$TOKENIZER" --worker_id="worker$i" --seed="$i" "${exact[@]}" $WORKER_ARGS
     done
     # The trainer's tqdm bar goes to its log; show it here while we supervise. $! must be tail itself (in a
     # plain pipeline it is grep's pid, and killing grep left tail -F running forever, holding our stdout open);

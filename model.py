@@ -393,7 +393,7 @@ def _dot(eq, x, w):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _proj(eq, x, w):
-  return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
+  return kernels.einsum(eq, x, w)  # jnp.einsum, fp32 result (exact mode: see kernels.einsum)
 
 
 def _proj_fwd(eq, x, w):

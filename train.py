@@ -168,10 +168,6 @@ def define_flags():
       ["curate_prompts", "pass_band"], lambda f: not f["curate_prompts"] or f["pass_band"],
       message="--curate_prompts needs a --pass_band (e.g. 0,1: drop never- and always-solved prompts)")
   flags.register_multi_flags_validator(
-      ["exact_logprobs", "param_dtype"], lambda f: not f["exact_logprobs"] or f["param_dtype"] == "bfloat16",
-      message="--exact_logprobs needs --param_dtype=bfloat16: on XLA CPU only bf16 products are row-invariant, fp32 "
-              "ones are not below 64 rows (kernels.py, README 'Exact on-policy log-probs')")
-  flags.register_multi_flags_validator(
       ["group_size", "dynamic_sampling"], lambda f: f["group_size"] >= 2 or not f["dynamic_sampling"],
       message="--dynamic_sampling needs --group_size >= 2 (a group of 1 always has zero variance: every group "
               "would be dropped and the trainer would wait forever)")

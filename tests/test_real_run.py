@@ -3,7 +3,7 @@ GSM8K-shaped jsonl of ~200-token prompts (one too long to fit) made here, run as
 `launch.sh local --init_checkpoint --train_jsonl --eval_jsonl --template=hf`, no length flags. The trainer must
 skip the long prompt at load (file:line), reach its steps (no worker crash loop), log the new metrics, save
 flags.json, and export a final/ that transformers loads with its tokenizer; pass@k is evaluated before and after.
-It runs in exact mode (--exact_logprobs, bf16): every on-policy step's mismatch_max in metrics.jsonl is exactly 0.
+It runs in exact mode (--exact_logprobs): every on-policy step's mismatch_max in metrics.jsonl is exactly 0.
 ~1-2 min on 2 cores."""
 import json
 import os
@@ -58,7 +58,7 @@ def test_real_checkpoint_gsm8k_jsonl_run(tmp_path):
   cmd = ["bash", "launch.sh", "local", f"--run_dir={run}", f"--init_checkpoint={ckpt}", f"--train_jsonl={train}",
          f"--eval_jsonl={evalf}", "--template=hf", f"--steps={STEPS}", "--workers=1", "--max_new_tokens=16",
          f"--port={free_port()}", "--worker_args=--slots=4 --verifier_workers=1",
-         # Exact mode (issue 16) through the real processes: bf16 on both sides, one device each.
+         # Exact mode (issue 16) through the real processes (fp32, one device each).
          "--exact_logprobs", "--", "--prompts_per_step=2", "--group_size=2", "--lr=1e-4"]
   p = subprocess.run(cmd, cwd=ROOT, env=benchutil.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                      text=True, timeout=600)

@@ -29,7 +29,6 @@ BAD_FLAGS = [
     ("train", ["--pass_band=0.6,0.4"], "--pass_band must be 'low,high'"),
     ("train", ["--curate_prompts=64"], "--curate_prompts needs a --pass_band"),
     ("train", ["--sft_slip=1"], "--sft_slip must be in [0, 1)"),
-    ("train", ["--exact_logprobs"], "--exact_logprobs needs --param_dtype=bfloat16"),
     ("rollout", ["--max_new_tokens=0"], "--max_new_tokens must be >= 1"),
     ("rollout", ["--slots=0"], "--slots must be >= 1"),
     ("rollout", ["--chunk_steps=0"], "--chunk_steps must be >= 1"),
