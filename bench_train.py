@@ -327,7 +327,9 @@ def main(argv=None):
   # As in train.run_rl: copies make donation safe where optax shares buffers between state leaves.
   # Setup under jit: eagerly, every small op would compile on its own (seconds in all on a busy box).
   opt_state = jax.jit(lambda p: jax.tree.map(jnp.copy, optimizer.init(p)))(params)
-  ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(policy) if lcfg.kl_coef > 0 else None
+  # The frozen reference in the compute dtype, as train.init_learner keeps it.
+  ref_params = (jax.jit(lambda p: jax.tree.map(lambda x: jnp.array(x, a.param_dtype, copy=True), p))(policy)
+                if lcfg.kl_coef > 0 else None)
   loss_fn = lambda p, r, b: learner.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0,  # noqa: E731
                                           compute_dtype=jnp.dtype(a.param_dtype), attn_impl="auto",
                                           value_coef=0.5)
