@@ -48,7 +48,8 @@ def test_exact_mode_bitwise_equal_logprobs(tmp_path):
 
 
 def test_default_mode_is_not_exact():
-  # The same model, prompts and first row as the child above (bench_alignment.main's init), in the default mode.
+  # The same model and prompts as the child above (bench_alignment.main's init), its fp32 and bf16 1-device rows,
+  # in the default mode.
   assert not kernels.exact_mode()
   cfg = ba.tiny_config()
   params = model.init_params(cfg, jax.random.PRNGKey(0), std=0.1)
