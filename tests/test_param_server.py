@@ -314,6 +314,11 @@ def test_slow_reader_times_out_and_is_freed():
     lazy.connect(("127.0.0.1", srv.port))
     lazy.sendall(frame(ps.PULL, {"newer_than": -1}))  # ...and never reads the reply
     t0 = time.monotonic()
+    # First see the server hold it (its accept thread registers the connection a moment later: counting too soon
+    # saw 1 client, skipped the wait, and then found 2), then see it freed.
+    while c.stats()["clients"] < 2 and time.monotonic() - t0 < 5:
+      time.sleep(0.01)
+    assert c.stats()["clients"] == 2
     while c.stats()["clients"] > 1 and time.monotonic() - t0 < 15:
       assert c.latest_version() == 0  # served meanwhile
       time.sleep(0.05)
