@@ -52,7 +52,7 @@ setup_venv() {
 
 RUN_DIR=runs/local; WORKERS=2; TRAINER_PROCS=1; WORKER_DEVICES=1; PORT=""; STEPS=""; INIT_CKPT=""; TOKENIZER=""
 TRAIN_JSONL=""; EVAL_JSONL=""; EXTRA=(); WORKER_ARGS=""; SKIP_EVAL=0; EVAL_BUILTIN=0; MAX_NEW=""; TEMPLATE=plain
-SEED=0; CHAOS=""; PRINT_SETTINGS=0; EXACT=0
+SEED=0; CHAOS=""; PRINT_SETTINGS=0; EXACT=()
 parse_local_flags() {
   while [ $# -gt 0 ]; do
     case "$1" in
@@ -62,7 +62,7 @@ parse_local_flags() {
       --chaos) CHAOS=1 ;;
       --no_chaos) CHAOS=0 ;;
       --print_settings) PRINT_SETTINGS=1 ;;
-      --exact_logprobs) EXACT=1 ;;
+      --exact_logprobs) EXACT=(--exact_logprobs) ;;  # trainer and workers both, or the log-probs differ anyway
       --workers=*) WORKERS="${1#*=}" ;;
       --trainer_procs=*) TRAINER_PROCS="${1#*=}" ;;
       --worker_devices=*) WORKER_DEVICES="${1#*=}" ;;
@@ -364,20 +364,18 @@ run_local() {
                  --init_checkpoint="$base" --tokenizer="$TOKENIZER" "${rl_flags[@]}"
                  --max_new_tokens="$MAX_NEW" --template="$TEMPLATE" --shard_servers="$shard_addrs")
     [ -n "$STEPS" ] && train+=(--steps="$STEPS")
-    local exact=()  # exact mode (kernels.py): trainer and workers both, or the log-probs differ anyway
-    [ $EXACT = 1 ] && exact=(--exact_logprobs)
     [ -n "$TRAIN_JSONL" ] && train+=(--train_jsonl="$TRAIN_JSONL")
     for i in $(seq 0 $((TRAINER_PROCS - 1))); do
       local mp=()
       [ "$TRAINER_PROCS" -gt 1 ] && mp=(--num_processes="$TRAINER_PROCS" --process_id="$i"
                                         --coordinator=127.0.0.1:"$coord_port")
-      start_role "trainer$i" "${train[@]}" "${exact[@]}" "${mp[@]}" "${EXTRA[@]}"
+      start_role "trainer$i" "${train[@]}" "${EXACT[@]}" "${mp[@]}" "${EXTRA[@]}"
     done
     for i in $(seq 0 $((WORKERS - 1))); do
       # --worker_devices=K: K fake CPU devices per worker, weights tensor-parallel over them (reshard on pull).
       start_role "worker$i" env XLA_FLAGS="--xla_force_host_platform_device_count=$WORKER_DEVICES" \
         "$PY" rollout.py --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token" --tensor_parallel="$WORKER_DEVICES" \
-        --tokenizer="$TOKENIZER" --worker_id="worker$i" --seed="$i" "${exact[@]}" $WORKER_ARGS
+        --tokenizer="$TOKENIZER" --worker_id="worker$i" --seed="$i" "${EXACT[@]}" $WORKER_ARGS
     done
     # The trainer's tqdm bar goes to its log; show it here while we supervise. $! must be tail itself (in a
     # plain pipeline it is grep's pid, and killing grep left tail -F running forever, holding our stdout open);
