@@ -470,7 +470,11 @@ def _block(x, lp, cfg, cos, sin, attn_fn, layer_xs):
   k = _constrain(k.astype(dt), ("batch", "seq", "kv_heads", "head_dim"))
   v = _constrain(v.astype(dt), ("batch", "seq", "kv_heads", "head_dim"))
   o, y = attn_fn(q, k, v, layer_xs)
-  x = _constrain(x + _dot("btnh,nhd->btd", o, lp["wo"]), ("batch", "seq", "act_embed"))
+  # o [B,T,N,H] x wo [N,H,D] as one contracted N*H dim (both reshapes are free): written "btnh,nhd->btd", jnp.einsum
+  # contracts (h, n) in that order, and XLA then transposed wo and o in every call (a [D,D] copy per layer and
+  # decode step).
+  o, wo = o.reshape(*o.shape[:2], -1), lp["wo"].reshape(-1, lp["wo"].shape[-1])
+  x = _constrain(x + _dot("btf,fd->btd", o, wo), ("batch", "seq", "act_embed"))
   h = _rms_norm(x, lp["mlp_norm"], eps)
   gate, up = _dot("btd,df->btf", h, lp["w_gate"]), _dot("btd,df->btf", h, lp["w_up"])
   a = _constrain(jax.nn.silu(gate) * up, ("batch", "seq", "ffw"))
