@@ -57,6 +57,7 @@ def test_task_tokenizer_deterministic_and_reused(tmp_path):
 def test_train_tokenizer_byte_fallback_and_checkpoint_dir(tmp_path):
   texts = [f"the answer to question {i} is {i * 7}." for i in range(300)]
   path = data.train_tokenizer(texts, tmp_path / "ckpt" / "tokenizer.model", vocab_size=300)
+  assert os.path.getsize(path) > 0
   tok = data.load_tokenizer(tmp_path / "ckpt")  # a checkpoint dir with tokenizer.model
   s = "answer is 42 — naïve ✓"  # characters never seen in training come back through byte pieces
   assert tok.decode(tok.encode(s)) == s
@@ -350,9 +351,9 @@ def test_code_cannot_read_outside_tmp(tmp_path):
              f"except PermissionError as e:\n  print('ok' if 'sandbox:' in str(e) else e)")  # denied by the hook
     r = run(probe)
     assert r.passed, (path, r)
-  assert run(f"import os\ntry:\n  os.listdir('/')\nexcept PermissionError:\n  print('ok')").passed
-  assert run(f"import os\ntry:\n  os.symlink('/etc/passwd', 'p')\nexcept PermissionError:\n  print('ok')").passed
-  assert run(f"try:\n  open('/tmp/x_from_sandbox', 'w')\nexcept PermissionError:\n  print('ok')").passed
+  assert run("import os\ntry:\n  os.listdir('/')\nexcept PermissionError:\n  print('ok')").passed
+  assert run("import os\ntry:\n  os.symlink('/etc/passwd', 'p')\nexcept PermissionError:\n  print('ok')").passed
+  assert run("try:\n  open('/tmp/x_from_sandbox', 'w')\nexcept PermissionError:\n  print('ok')").passed
   # Reads under the Python prefix are allowed (imports need them), writes there are not, whatever the API.
   prefix_file = os.path.join(sys.base_prefix, "lib", "x_from_sandbox")
   r = run(f"import os\ntry:\n  os.open({prefix_file!r}, os.O_WRONLY | os.O_CREAT)\n"

@@ -12,7 +12,7 @@ import pytest
 import model
 import param_server as ps
 import shards
-from multiproc_helper import CFG_HF, tiny
+from multiproc_helper import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELPER = os.path.join(ROOT, "tests", "multiproc_helper.py")

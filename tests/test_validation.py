@@ -1,7 +1,6 @@
 """Bad flags and bad inputs fail before any work starts, with a message naming the flag, file, line or field
 (issue 15). `python -m pytest -q tests/test_validation.py -rA` prints the fault table rows of RESULTS.md."""
 import json
-import math
 import os
 import subprocess
 import sys
