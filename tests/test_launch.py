@@ -167,13 +167,17 @@ def test_pod_v6e8_spot_preemption_recreates_slice_and_finishes(tmp_path):
   root, env = fake_pod(tmp_path)
   shared = str(tmp_path / "shared_run")  # like a gcsfuse mount: survives the slice, so the trainer resumes
   steps = 5
-  proc = pod_launch("v6e-8", tmp_path, env, steps, "--spot", f"--run_dir={shared}")
+  # --max_staleness=1: each step after the second needs rollouts of a newer policy, so the run cannot finish on the
+  # rollouts the workers queued while the trainer compiled (with the default 4 it once ran steps 1-5 in 0.4 s, and
+  # the pod was preempted after DONE).
+  proc = pod_launch("v6e-8", tmp_path, env, steps, "--spot", f"--run_dir={shared}", train=["--max_staleness=1"])
   t0 = time.time()
   while steps_done(shared) < 2:
     assert proc.poll() is None, open(tmp_path / "launch.log").read()[-3000:]
     assert time.time() - t0 < 300, "no training step within 300 s"
-    time.sleep(0.5)
-  fake_gcloud.preempt(root, "t")
+    time.sleep(0.2)
+  fake_gcloud.preempt(root, "t")  # kills every process on the slice before it returns
+  assert not os.path.exists(os.path.join(shared, "DONE")), "the run finished before the preemption: nothing tested"
   out = finish(proc, root, tmp_path, 400)
   assert "slice t is PREEMPTED" in out and "training done" in out
   creates = [json.loads(l) for l in open(os.path.join(root, "calls.jsonl")) if '"create", "t-qr"' in l]
