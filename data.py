@@ -128,7 +128,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-import fileio
+import common
 
 EVAL_BUCKET = 200  # of 1000 hash buckets: 20% of all possible built-in problems are held out
 # Row lengths a batch pads to (powers of two: few compiled shapes); train's (x2 past 4096: buckets_for), Engine's
@@ -391,7 +391,7 @@ def write_jsonl(path, problems, pass_rates: Optional[dict] = None):
     if pass_rates is not None and p.id in pass_rates:
       d["pass_rate"] = pass_rates[p.id]
     lines.append(json.dumps(d) + "\n")
-  fileio.write_atomic(path, lines, tmp=f"{path}.tmp{os.getpid()}")  # per-pid temp: concurrent writers
+  common.write_atomic(path, lines, tmp=f"{path}.tmp{os.getpid()}")  # per-pid temp: concurrent writers
 
 
 def split(problems, held_out, seed: int = 0):
@@ -559,7 +559,7 @@ def train_tokenizer(texts, out_path, vocab_size: int = 256, model_type: str = "b
       shuffle_input_sentence=False, add_dummy_prefix=False, normalization_rule_name="identity",
       remove_extra_whitespaces=False, hard_vocab_limit=False, minloglevel=2)
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-  fileio.write_atomic(out_path, buf.getvalue(), tmp=f"{out_path}.tmp{os.getpid()}")
+  common.write_atomic(out_path, buf.getvalue(), tmp=f"{out_path}.tmp{os.getpid()}")
   return str(out_path)
 
 

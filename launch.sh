@@ -24,8 +24,8 @@
 #   --skip_eval --eval_builtin (a real model evaluated on the demo's arithmetic, explicitly);
 #   --seed=0 (SFT init, training problems and data order; part of the run's identity)
 #   --chaos / --no_chaos (default: on for the demo, off otherwise: worker0 SIGKILLed and the trainer SIGTERMed
-#   mid-run, see chaos()); --print_settings (what the run would use, then exit); --exact_logprobs (trainer and
-#   workers in exact mode: bitwise-equal log-probs, kernels.py); anything after "--" goes to train.py.
+#   mid-run, see chaos()); --print_settings (what the run would use, then exit); anything after "--" goes to
+#   train.py.
 # Layout of a run dir: run.json (the run's identity and flags), ports, logs/<role>.log, pids/<role>.pid, token
 # (server secret), tokenizer-<task>.model, base/ (HF checkpoint of the warm-started policy), ckpt/ (trainer),
 # server/ (server persistence), jax_cache/ (compiled programs), final/, eval_*.json; STOP while stopping.
@@ -52,7 +52,7 @@ setup_venv() {
 
 RUN_DIR=runs/local; WORKERS=2; TRAINER_PROCS=1; WORKER_DEVICES=1; PORT=""; STEPS=""; INIT_CKPT=""; TOKENIZER=""
 TRAIN_JSONL=""; EVAL_JSONL=""; EXTRA=(); WORKER_ARGS=""; SKIP_EVAL=0; EVAL_BUILTIN=0; MAX_NEW=""; TEMPLATE=plain
-SEED=0; CHAOS=""; PRINT_SETTINGS=0; EXACT=()
+SEED=0; CHAOS=""; PRINT_SETTINGS=0
 parse_local_flags() {
   while [ $# -gt 0 ]; do
     case "$1" in
@@ -62,7 +62,6 @@ parse_local_flags() {
       --chaos) CHAOS=1 ;;
       --no_chaos) CHAOS=0 ;;
       --print_settings) PRINT_SETTINGS=1 ;;
-      --exact_logprobs) EXACT=(--exact_logprobs) ;;  # trainer and workers both, or the log-probs differ anyway
       --workers=*) WORKERS="${1#*=}" ;;
       --trainer_procs=*) TRAINER_PROCS="${1#*=}" ;;
       --worker_devices=*) WORKER_DEVICES="${1#*=}" ;;
@@ -369,13 +368,13 @@ run_local() {
       local mp=()
       [ "$TRAINER_PROCS" -gt 1 ] && mp=(--num_processes="$TRAINER_PROCS" --process_id="$i"
                                         --coordinator=127.0.0.1:"$coord_port")
-      start_role "trainer$i" "${train[@]}" "${EXACT[@]}" "${mp[@]}" "${EXTRA[@]}"
+      start_role "trainer$i" "${train[@]}" "${mp[@]}" "${EXTRA[@]}"
     done
     for i in $(seq 0 $((WORKERS - 1))); do
       # --worker_devices=K: K fake CPU devices per worker, weights tensor-parallel over them (reshard on pull).
       start_role "worker$i" env XLA_FLAGS="--xla_force_host_platform_device_count=$WORKER_DEVICES" \
         "$PY" rollout.py --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token" --tensor_parallel="$WORKER_DEVICES" \
-        --tokenizer="$TOKENIZER" --worker_id="worker$i" --seed="$i" "${EXACT[@]}" $WORKER_ARGS
+        --tokenizer="$TOKENIZER" --worker_id="worker$i" --seed="$i" $WORKER_ARGS
     done
     # The trainer's tqdm bar goes to its log; show it here while we supervise. $! must be tail itself (in a
     # plain pipeline it is grep's pid, and killing grep left tail -F running forever, holding our stdout open);
@@ -414,7 +413,7 @@ EOF
 }
 
 # The run's curves, preemption events and exactly-once check (plot.py prints the PNG's path).
-run_plot() { "$PY" plot.py "$RUN_DIR" || echo "launch.sh: plot.py failed (the run itself is fine)" >&2; }
+run_plot() { "$PY" -m tools.plot "$RUN_DIR" || echo "launch.sh: tools/plot.py failed (the run itself is fine)" >&2; }
 
 # eval CHECKPOINT before|after: pass@k into eval_<when>.json; a failure names the log and shows its last lines.
 run_eval() {

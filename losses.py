@@ -46,7 +46,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-import kernels
 
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce")
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
@@ -70,19 +69,17 @@ def _logp_entropy(logits, targets, temperature, with_entropy):
 
 def _logp_entropy_fwd(logits, targets, temperature, with_entropy):
   dt = _compute_dtype(logits.dtype)
-  # Times 1/T, not / T: XLA rewrites a division by a constant into this product in some graphs and not in others,
-  # and the worker (rollout.sampling_logprobs) must get these bits in exact mode. Under jit XLA may fuse this into
-  # the reductions below. The row sums are kernels.rowsum (jnp.sum unless in exact mode, kernels.py).
+  # Times 1/T, not / T: XLA rewrites a division by a constant into this product in some graphs and not in others.
   s = logits.astype(dt) * (1.0 / temperature)
   m = jnp.max(s, axis=-1)
   e = jnp.exp(s - m[..., None])
-  z = kernels.rowsum(e)
+  z = jnp.sum(e, axis=-1)
   lse = m + jnp.log(z)
   # Gather from the raw logits, then upcast: [B,T] work instead of [B,T,V].
   tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0].astype(dt) * (1.0 / temperature)
   es = None
   if with_entropy:  # E_p[s]; where() keeps -inf logits from giving 0 * -inf
-    es = kernels.rowsum(jnp.where(e > 0, e * s, 0)) / z
+    es = jnp.sum(jnp.where(e > 0, e * s, 0), axis=-1) / z
   ent = lse - es if with_entropy else jnp.zeros_like(lse)
   return (tgt - lse, ent), (logits, targets, lse, es)
 

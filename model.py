@@ -17,7 +17,7 @@ Design choices
   * One code path: training forward, prefill and decode all run the same `_block`; they differ only in the
     attention callback (full causal/segment attention vs. one query against the KV cache). So the trainer's
     recomputed log-probs and the rollout worker's log-probs come from the same math.
-  * Attention goes through `kernels.attention` / `kernels.decode_attention` (jnp reference on CPU, Pallas on TPU).
+  * Attention goes through `pallas_kernels.attention` / `.decode_attention` (jnp reference on CPU, Pallas on TPU).
   * Precision policy. Params may be fp32 or bf16. Every matmul takes its inputs in the param dtype and
     accumulates/returns fp32 (`preferred_element_type`). The residual stream, RMSNorm, RoPE, SiLU and the final
     logits are fp32; q/k/v and the attention output are cast to the param dtype (the kernels softmax in fp32).
@@ -87,7 +87,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import kernels
+import pallas_kernels
 
 # ----------------------------------------------------------------------------------------------------- Config
 
@@ -262,10 +262,10 @@ class Config:
 # Logical axis -> mesh axes. Anything not listed (layers, seq, head_dim, norm, act_embed) is replicated.
 # Activations use "act_embed" for D, so the FSDP axis shards the batch there and the weights' D here.
 LOGICAL_RULES = (
-    ("batch", kernels.BATCH_AXES),  # the attention kernels' shard_map split: the same axes
+    ("batch", pallas_kernels.BATCH_AXES),  # the attention kernels' shard_map split: the same axes
     ("embed", ("fsdp",)),
-    ("heads", (kernels.HEAD_AXIS,)),
-    ("kv_heads", (kernels.HEAD_AXIS,)),
+    ("heads", (pallas_kernels.HEAD_AXIS,)),
+    ("kv_heads", (pallas_kernels.HEAD_AXIS,)),
     ("ffw", ("tensor",)),
     ("vocab", ("tensor",)),
 )
@@ -286,7 +286,7 @@ def logical_spec(axes, shape, mesh):
   assert len(axes) == len(shape), (axes, shape)
   sizes, rules, used, spec = dict(mesh.shape), dict(LOGICAL_RULES), set(), []
   for name, dim in zip(axes, shape):
-    cand = kernels.fit_axes(dim, [a for a in rules.get(name, ()) if a not in used], sizes)
+    cand = pallas_kernels.fit_axes(dim, [a for a in rules.get(name, ()) if a not in used], sizes)
     cand = [a for a in cand if sizes[a] > 1]  # size-1 axes add nothing; keeps specs readable
     used.update(cand)
     spec.append(None if not cand else cand[0] if len(cand) == 1 else tuple(cand))
@@ -393,7 +393,7 @@ def _dot(eq, x, w):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _proj(eq, x, w):
-  return kernels.einsum(eq, x, w)  # jnp.einsum, fp32 result (exact mode: see kernels.einsum)
+  return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
 
 
 def _proj_fwd(eq, x, w):
@@ -421,7 +421,7 @@ _proj.defvjp(_proj_fwd, _proj_bwd)
 def _rms_norm(x, w, eps):
   # fp32 statistics regardless of param dtype (HF does the same).
   x = x.astype(jnp.float32)
-  x = x * jax.lax.rsqrt(kernels.rowsum(x * x)[..., None] / x.shape[-1] + eps)  # rowsum: exact mode (kernels.py)
+  x = x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / x.shape[-1] + eps)
   return w.astype(jnp.float32) * x
 
 
@@ -535,11 +535,6 @@ def _run_cached(params, cfg, tokens, positions, attn_fn, lengths):
 
 def logits_from_hidden(params, cfg, h):
   """h [..., D] (final normed hidden) -> fp32 logits [..., V]; lets a loss compute log-probs in chunks."""
-  if kernels.exact_mode() and h.ndim == 2:
-    # Exact mode (kernels.py): the rows of prefill and decode_step as [B,1,D], the training forward's form (XLA CPU
-    # lays a [B,D] x [D,V] product out differently and its rows came out differently); one row (a one-prompt
-    # prefill) as two, since a one-row product takes the matrix-vector path, with another accumulation order.
-    return logits_from_hidden(params, cfg, h[:, None] if h.shape[0] > 1 else jnp.stack([h, h], 1)[:1])[:, 0]
   # The tied head goes through _proj too (embed.T folds into the dot): its weight gradient is then h^T @ dlogits,
   # transposed back as a small [D,V]; autodiff's einsum transposed the [B*T,V] dlogits (31 ms of bench_train's step).
   logits = _dot("...d,dv->...v", h, params["embed"].T if cfg.tie_embeddings else params["lm_head"])
@@ -564,7 +559,7 @@ def forward_hidden(params, cfg, tokens, positions=None, segment_ids=None, *, att
   segment_ids = _constrain(segment_ids, ("batch", "seq"))
 
   def attn(q, k, v, _):
-    return kernels.attention(q, k, v, segment_ids, causal=True, impl=attn_impl), None
+    return pallas_kernels.attention(q, k, v, segment_ids, causal=True, impl=attn_impl), None
 
   # On XLA CPU the layer loop copies each layer's weight slices, stacks the residuals for the backward and zero-fills
   # the stacks every step; unrolled, those are static slices and plain buffers: bench_train's step -6% (RESULTS.md).
@@ -613,7 +608,7 @@ def prefill(params, cfg, tokens, lengths, cache, *, attn_impl="auto"):
     return c.at[at].set(jnp.where(m, new.astype(c.dtype), c[at]))
 
   def attn(q, k, v, i):
-    o = kernels.attention(q, k, v, segment_ids, causal=True, impl=attn_impl)
+    o = pallas_kernels.attention(q, k, v, segment_ids, causal=True, impl=attn_impl)
     kc = write("k", i, k.transpose(0, 2, 3, 1), valid[:, None, None, :])  # [B,T,K,H] -> [B,K,H,T]
     vc = write("v", i, v.transpose(0, 2, 1, 3), valid[:, None, :, None])  # [B,T,K,H] -> [B,K,T,H]
     return o, (kc, vc)
@@ -632,7 +627,7 @@ def decode_step(params, cfg, tokens, cache, *, attn_impl="auto"):
     # Write the new token into layer i's cache (in place: the caller donates the cache), then attend to it.
     kc = cache["k"][i].at[cache_at("k", rows, lengths)].set(k[:, 0].astype(cache["k"][i].dtype))  # [b,:,:,len_b]
     vc = cache["v"][i].at[cache_at("v", rows, lengths)].set(v[:, 0].astype(cache["v"][i].dtype))  # [b,:,len_b]
-    o = kernels.decode_attention(q[:, 0], kc, vc, lengths + 1, impl=attn_impl)
+    o = pallas_kernels.decode_attention(q[:, 0], kc, vc, lengths + 1, impl=attn_impl)
     return o[:, None], (kc, vc)
 
   h, written = _run_cached(params, cfg, tokens[:, None], lengths[:, None], attn, lengths + 1)

@@ -135,7 +135,7 @@ import zlib
 
 import numpy as np
 
-import fileio
+import common
 
 MAGIC = b"RLPS"
 PROTOCOL_VERSION = 1
@@ -726,7 +726,7 @@ class _Queue:
       os.close(self.log)
     self.log, self.broken = None, True  # until the new log is open and its rename durable
     DISK.point("compact_renamed")
-    fileio.fsync_dir(os.path.dirname(self.path))
+    common.fsync_dir(os.path.dirname(self.path))
     self.log = DISK.open_append(self.path)
     self.log_bytes = os.fstat(self.log).st_size
     self.broken = False
@@ -1544,7 +1544,7 @@ class Server:
         return
       mv = memoryview(v.buf)
       try:
-        fileio.write_atomic(self._weights_path(), itertools.chain(
+        common.write_atomic(self._weights_path(), itertools.chain(
             [v.head], (mv[i:i + CHUNK] for i in range(0, len(mv), CHUNK))), fsync=True)
       except OSError:  # e.g. disk full: the previous weights.bin stays; the trainer re-publishes after a restart
         log.exception("could not persist weights v%d", v.version)
@@ -1601,7 +1601,7 @@ def serve(cfg: ServerConfig, port_file=None):
   port_file: if set, the bound port is written there atomically once listening (useful with port=0)."""
   srv = Server(cfg)
   if port_file:
-    fileio.write_atomic(port_file, f"{srv.port}\n")
+    common.write_atomic(port_file, f"{srv.port}\n")
   done = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: done.set())
@@ -1884,7 +1884,8 @@ class StopFlag:
 
 
 def flatten(tree, prefix=""):
-  """Nested dict of arrays -> {"a/b/c": np.ndarray}: the flat names weights travel under."""
+  """Nested dict of arrays -> {"a/b/c": leaf}: the flat names weights travel under (leaves as they are: a sharded
+  jax.Array is never gathered here)."""
   out = {}
   for k, v in tree.items():
     if not isinstance(k, str) or "/" in k:
@@ -1892,7 +1893,7 @@ def flatten(tree, prefix=""):
     if isinstance(v, dict):
       out.update(flatten(v, prefix + k + "/"))
     else:
-      out[prefix + k] = np.asarray(v)
+      out[prefix + k] = v
   return out
 
 
@@ -1906,6 +1907,17 @@ def unflatten(flat):
       node = node.setdefault(p, {})
     node[leaf] = v
   return tree
+
+
+def slice_index(idx, shape):
+  """A device's tuple of slices -> [[start, stop], ...] over the global shape: how pieces name their slice."""
+  return [[s.start or 0, d if s.stop is None else s.stop] for s, d in zip(idx, shape)]
+
+
+def connect(addr, token=None, retries=8):
+  """A Client for "host:port"."""
+  host, port = addr.rsplit(":", 1)
+  return Client(host, int(port), token=token, retries=retries)
 
 
 def _json_default(x):
@@ -1958,7 +1970,7 @@ def _main():
     if FLAGS.token_file:
       if not os.path.exists(FLAGS.token_file):
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.token_file)), exist_ok=True)
-        fileio.write_atomic(FLAGS.token_file, secrets.token_hex(32) + "\n", mode=0o600)
+        common.write_atomic(FLAGS.token_file, secrets.token_hex(32) + "\n", mode=0o600)
       token = read_token(FLAGS.token_file)
     # Every flag named like a ServerConfig field sets that field; the rest keep their defaults.
     cfg = ServerConfig(token=token, **{f.name: FLAGS[f.name].value for f in dataclasses.fields(ServerConfig)

@@ -34,6 +34,7 @@ Run:
       --eval_n=200 --k=8 --out=runs/x/eval_before.json
   On a pod launch.sh starts one worker per inference host (see launch.sh v5p-N --dry_run).
 """
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -48,12 +49,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import common
 import data
-import flags_common
-import hostmem
-import kernels
+
 import model
-import shards
+import param_server
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -97,7 +97,7 @@ def sampling_logits(logits, sc: SamplingConfig):
 
 def sampling_logprobs(logits, sc: SamplingConfig):
   """[B,V] fp32 logits -> [B,V] log-probs of the distribution we sample from (temperature, top-k, top-p)."""
-  return kernels.log_softmax(sampling_logits(logits, sc))  # in exact mode x - logsumexp(x) (kernels.py)
+  return jax.nn.log_softmax(sampling_logits(logits, sc), axis=-1)
 
 
 def greedy(x):
@@ -146,12 +146,6 @@ def sample(logits, keys, sc: SamplingConfig):
   # bench_decode's big shape ([64, 32k] logits) the log_softmax and the argmax of it took 2.7 of a 48 ms step.
   shifted = x - jnp.max(x, -1, keepdims=True)
   tok = greedy(x) if sc.temperature == 0 else inverse_cdf_sample(shifted, keys)  # exp(shifted): unnormalised p
-  if kernels.exact_mode():
-    # The trainer's expression, op for op (losses._logp_entropy_fwd: the token's logit times 1/T, minus the
-    # log-sum-exp): the same value as logp[tok], but XLA may contract the scaling and the subtraction of the [B,V]
-    # form into one fused multiply-add, and then the last bit differs from the trainer's.
-    tgt = jnp.take_along_axis(logits, tok[:, None], -1)[:, 0] * _inv_temperature(sc)
-    return tok.astype(jnp.int32), tgt - kernels.logsumexp(x)
   lse = jnp.log(jnp.sum(jnp.exp(shifted), -1))
   return tok.astype(jnp.int32), jnp.take_along_axis(shifted, tok[:, None], -1)[:, 0] - lse
 
@@ -400,6 +394,117 @@ class Sender:
     self.check()
 
 
+# --- The pull side of the weight path: the slices this worker's devices hold, as deltas where it can --------
+
+def pull_weights(manifest, shardings, clients, base=None, stats=None):
+  """The manifest's weights placed with `shardings` (a pytree of Shardings, same structure as the published
+  tree). clients: dict "host:port" -> Client, filled on demand. Returns (pytree of jax.Array, bytes pulled).
+
+  Delta sync: base=(manifest, params) the reader holds now (what an earlier pull returned with the same
+  shardings). Each piece then comes as a delta against it (param_server DELTA: the server builds it once for the
+  whole fleet), applied in place on a host copy of the held slice; the RESULT's crc must equal the new version's,
+  so a wrong or corrupted base or a lost delta never goes unnoticed: such a piece, like one the server has no
+  base for (the reader skipped a version, or the server restarted), is pulled in full. The returned bytes are
+  what crossed the wire. stats (a dict) gets bytes, full_bytes (what a full pull moves), changed_bytes over
+  covered_bytes (the pieces that came as deltas), pieces by encoding, and fallbacks (crc mismatches refetched).
+  """
+  sh = param_server.flatten(shardings)
+  if set(sh) != set(manifest["tensors"]):
+    raise ValueError(f"manifest v{manifest['version']} tensors {sorted(manifest['tensors'])[:4]}... do not match "
+                     f"the reader's {sorted(sh)[:4]}...")
+  if base is not None and base[0]["version"] >= manifest["version"]:
+    raise ValueError(f"pull: base v{base[0]['version']} is not older than manifest v{manifest['version']}")
+  held = param_server.flatten(base[1]) if base is not None else {}
+  conns = [clients[a] if a in clients else clients.setdefault(a, param_server.connect(a)) for a in manifest["servers"]]
+  st = dict(bytes=0, full_bytes=0, changed_bytes=0, covered_bytes=0, pieces={}, fallbacks=0)
+  out = {}
+  with concurrent.futures.ThreadPoolExecutor(len(conns)) as pool:
+    for name, t in manifest["tensors"].items():
+      shape, dt = tuple(t["shape"]), param_server._np_dtype(t["dtype"])
+      wanted = {}  # distinct global slice -> the local devices that hold it
+      for d, idx in sh[name].addressable_devices_indices_map(shape).items():
+        wanted.setdefault(tuple(map(tuple, param_server.slice_index(idx, shape))), []).append(d)
+      old = _held_slices(base, name, t, held, wanted)  # slice -> the base's host copy, where a delta can apply
+      bufs = {w: old[w] if w in old else np.empty([b - a for a, b in w], dt) for w in wanted}
+      base_crc = {json.dumps(p["index"]): p["crc"] for p in base[0]["tensors"][name]["pieces"]} if old else {}
+      jobs = {}  # server -> [(fetch request, (slice, destination within its buffer))]
+      for w in wanted:
+        covered = 0
+        for p in t["pieces"]:
+          lo = [max(a, pa) for (a, _), (pa, _) in zip(w, p["index"])]
+          hi = [min(b, pb) for (_, b), (_, pb) in zip(w, p["index"])]
+          if any(l >= h for l, h in zip(lo, hi)):
+            continue
+          sub = [[l - pa, h - pa] for l, h, (pa, _) in zip(lo, hi, p["index"])]
+          dest = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, w))
+          req = dict(name=name, index=p["index"], crc=p["crc"], sub=sub)
+          if w in old and json.dumps(p["index"]) in base_crc:
+            req["base_crc"] = base_crc[json.dumps(p["index"])]
+          jobs.setdefault(p["server"], []).append((req, (w, dest)))
+          covered += int(np.prod([h - l for l, h in zip(lo, hi)]))
+        if covered != bufs[w].size:
+          raise ValueError(f"manifest v{manifest['version']}: pieces of {name!r} cover {covered} of the "
+                           f"{bufs[w].size} elements of slice {w}")
+      again = {}  # server -> jobs whose delta did not rebuild the new bytes: pulled in full below
+      for k, full, got in pool.map(lambda k: (k, *_get(conns[k], manifest["version"], base, jobs[k])), list(jobs)):
+        for (_, (w, dest)), a in full:
+          bufs[w][dest] = a
+          st["bytes"] += a.nbytes
+        for (req, (w, dest)), r in got:
+          st["bytes"] += len(r["data"])
+          st["pieces"][r["enc"]] = st["pieces"].get(r["enc"], 0) + 1
+          if r["changed"] >= 0:
+            st["changed_bytes"] += r["changed"] * dt.itemsize
+            st["covered_bytes"] += bufs[w][dest].nbytes
+          if not _apply(r, bufs[w], dest):
+            st["fallbacks"] += 1
+            again.setdefault(k, []).append(({kk: v for kk, v in req.items() if kk != "base_crc"}, (w, dest)))
+      for k, full, _ in pool.map(lambda k: (k, *_get(conns[k], manifest["version"], None, again[k])), list(again)):
+        for (_, (w, dest)), a in full:
+          bufs[w][dest] = a
+          st["bytes"] += a.nbytes
+      out[name] = jax.make_array_from_single_device_arrays(
+          shape, sh[name], [jax.device_put(bufs[w], d) for w, ds in wanted.items() for d in ds])
+      st["full_bytes"] += sum(b.nbytes for b in bufs.values())
+  if stats is not None:
+    stats.update(st)
+  return param_server.unflatten(out), st["bytes"]
+
+
+def _held_slices(base, name, t, held, wanted):
+  """{slice: writable host copy of the base's bytes for it} for the wanted slices a delta can apply to: the base
+  holds the tensor with the same dtype and shape, and one of its local shards is exactly that slice."""
+  if base is None or name not in held or name not in base[0]["tensors"]:
+    return {}
+  bt, x = base[0]["tensors"][name], held[name]
+  if (bt["dtype"], bt["shape"]) != (t["dtype"], t["shape"]) or tuple(x.shape) != tuple(t["shape"]):
+    return {}
+  shards = {tuple(map(tuple, param_server.slice_index(s.index, x.shape))): s for s in x.addressable_shards}
+  # A copy: a device array may alias host memory (CPU), and the pull must not change the weights in use.
+  return {w: np.array(shards[w].data, copy=True) for w in wanted if w in shards}
+
+
+def _get(conn, version, base, jobs):
+  """One server's part of a pull: ([(job, array)] pulled in full, [(job, delta reply)])."""
+  plain = [j for j in jobs if "base_crc" not in j[0]]
+  delta = [j for j in jobs if "base_crc" in j[0]]
+  return (list(zip(plain, conn.fetch(version, [r for r, _ in plain]))) if plain else [],
+          list(zip(delta, conn.delta(version, base[0]["version"], [r for r, _ in delta]))) if delta else [])
+
+
+def _apply(r, buf, dest):
+  """Rebuilds buf[dest] from a delta reply in place (on a contiguous copy if the region is not contiguous);
+  True if the result's crc is the new version's."""
+  cur = np.ascontiguousarray(buf[dest])
+  try:
+    param_server.delta_apply(r["enc"], r["data"], cur, cur.dtype.itemsize)
+  except ValueError:
+    return False
+  if not np.may_share_memory(cur, buf):
+    buf[dest] = cur
+  return zlib.crc32(cur.reshape(-1).view(np.uint8)) == r["crc"]
+
+
 class Puller:
   """Downloads the next weight version on a background thread while the loop decodes with the current one.
   Double-buffered: the version in use plus at most one newer, complete version waiting to be taken, so a worker
@@ -514,9 +619,9 @@ from absl import app, flags, logging  # noqa: E402  (flags only in the entry poi
 FLAGS = flags.FLAGS
 
 def define_flags():
-  """Called only by main(): importing this file defines no flag (see flags_common)."""
-  flags_common.define_shared_flags(max_new_tokens=16)
-  flags.adopt_module_key_flags(flags_common)
+  """Called only by main(): importing this file defines no flag (see common)."""
+  common.define_shared_flags(max_new_tokens=16)
+  flags.adopt_module_key_flags(common)
   flags.DEFINE_enum("mode", "worker", ["worker", "eval"], "worker: serve the RL run; eval: pass@k of --checkpoint. "
                     "Default worker.")
   flags.DEFINE_string("checkpoint", None, "HF checkpoint dir (eval; a worker waits for pushed weights). Default none.")
@@ -556,14 +661,9 @@ def define_flags():
       ("drain_s", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
       ("verifier_timeout_s", positive, "finite and > 0")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
-  flags.register_multi_flags_validator(
-      ["exact_logprobs", "slots"], lambda f: not f["exact_logprobs"] or f["slots"] >= 2,
-      message="--exact_logprobs needs --slots >= 2 (a one-row decode step takes XLA CPU's matrix-vector path, "
-              "whose rows differ from the trainer's; kernels.py)")
 
 
 def _client(token):
-  import param_server
   host, port = FLAGS.server.rsplit(":", 1)
   return param_server.Client(host, int(port), token=token, retries=FLAGS.server_retries)
 
@@ -602,7 +702,6 @@ def fail_item(client, gid, exc, failures):
   quarantines it after its --max_failures reports, telling the trainer); the worker moves on. Errors that are
   not the item's fault (server unreachable, wrong token, server disk full) propagate and end the worker, and
   so do failures of every item in a row (a broken worker must not quarantine the whole dataset)."""
-  import param_server
   if isinstance(exc, (ConnectionError, PermissionError, param_server.StorageError, param_server.QueueFullError)):
     raise exc
   failures.append(gid)
@@ -614,7 +713,6 @@ def fail_item(client, gid, exc, failures):
 
 
 def run_worker():
-  import param_server
   stop = param_server.StopFlag()
   wid = FLAGS.worker_id or f"{os.uname().nodename}-{os.getpid()}"
   token = open(FLAGS.token_file).read().strip() if FLAGS.token_file else None
@@ -640,14 +738,14 @@ def run_worker():
   last_pull = {}  # the newest pull's figures, sent with every rollout (the trainer logs them in metrics.jsonl)
 
   def pull(m):
-    """The manifest's weights, only the slices this worker's devices hold (shards.pull), as deltas against the
+    """The manifest's weights, only the slices this worker's devices hold (pull_weights), as deltas against the
     version it holds (each piece's result crc-checked, a mismatch pulled in full); None if they were
     garbage-collected meanwhile (a newer version exists: the next poll gets it) or a shard server is down (the
     trainer re-publishes to its replacement)."""
     nonlocal held
     t, st = time.time(), {}
     try:
-      params = shards.pull(m, shardings, shard_clients, base=held, stats=st)[0]
+      params = pull_weights(m, shardings, shard_clients, base=held, stats=st)[0]
     except (ValueError, ConnectionError) as e:
       logging.warning("worker %s: pull of v%d failed (%s); retrying with the next manifest", wid, m["version"], e)
       return None
@@ -885,9 +983,7 @@ def run_eval():
 
 def main(argv):
   del argv
-  hostmem.tune()  # before the first JAX computation: XLA's step buffers reused, not page-faulted in every step
-  if FLAGS.exact_logprobs:
-    kernels.enable_exact_mode()  # also before the first computation: an XLA flag (kernels.py)
+  common.tune_malloc()  # before the first JAX computation: XLA's step buffers reused, not page-faulted in every step
   if FLAGS.tokenizer is None:
     raise app.UsageError("--tokenizer is required")
   if FLAGS.mode == "eval":

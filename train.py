@@ -1,34 +1,41 @@
-"""train.py: the master trainer. Consumes rollouts, computes the RL loss, updates with optax, pushes weights.
+"""train.py: the master trainer. Leases scored rollouts, computes the RL loss, updates with optax, publishes weights.
 
-Design:
-  * Process 0 is the only one that talks to the parameter server: it issues prompts (queue "prompts"), leases
-    scored rollout groups (queue "rollouts"), and broadcasts each batch to the other JAX processes, which all
-    run the same jitted step over one global (data, fsdp, tensor) mesh (`jax.distributed`, gloo on CPU: the
-    same code path as a multi-host TPU slice).
-  * The loop (run_rl) reads as named steps: collect -> batch -> step -> publish -> checkpoint -> log.
-  * Exactly once (ledger.py): a rollout is acked only after a checkpoint that records it commits; SIGTERM
-    mid-collection hands the partial batch back; a restarted trainer skips the ids its checkpoint holds.
-  * Precision (learner.py): fp32 master weights; --param_dtype=bfloat16 casts them for the forward and the workers.
-  * Weights are published without gathering (shards.publish): each process stages its own shards on its shard
-    server (--shard_servers), process 0 commits the manifest last; workers reshard on pull.
-  * Checkpoints (params, optimizer state, step, data cursor, seed, consumed ids, pass-rate table, version):
-    learner.Checkpointer (orbax, sharded, asynchronous, restores onto another mesh / process count), every
-    --checkpoint_every steps and on SIGTERM. The final HF export gathers one tensor at a time.
-  * The step, batches, checkpoints and export are a library (learner.py) that tests and benches import; this
-    file is the script: flags, the SFT warm-start, the RL loop.
-  * --mode=sft is the supervised warm-start that builds the demo's base policy (an HF checkpoint dir); with
-    --sft_slip=p it imitates a flawed teacher (learner.teacher_completion) so the base lands at a known pass rate.
+What the default run does (GRPO, arXiv 2402.03300, as the RLAX paper trains): each step takes --prompts_per_step
+groups of --group_size completions that the workers sampled from a recent policy and the verifiers scored; a
+completion's advantage is its reward minus its group's mean, over the group's std; the loss is the PPO-clipped
+(0.2) importance ratio pi_theta / mu (mu: the worker's own log-probs of what it sampled) times the advantage,
+averaged over each completion's tokens and then over completions, plus a k3 KL penalty (beta 0.04) to the frozen
+initial policy; one AdamW update per batch, then the new weights go to the workers. It deliberately leaves out a
+value network (GRPO needs none; --algo=ppo adds a value head), an entropy bonus, dynamic sampling and clip-higher
+(--algo=dapo), and waiting for the freshest weights: workers generate asynchronously, up to --max_staleness
+versions behind, which the ratio to mu accounts for. Other algorithms: --algo (losses.ALGORITHMS).
+
+Reading order (top-down): flags; setup (mesh, prompts, params, optimizer); run_rl, the loop as named steps
+(collect -> batch -> step -> publish -> checkpoint -> log); the step (loss, PPO epochs, gradient accumulation);
+the batch (rollout groups -> padded arrays, process 0 -> every process); publish (each process stages its own
+shards on its shard server, process 0 commits the manifest last: no process gathers the model); checkpoint
+(orbax: sharded, asynchronous, restorable onto another mesh or process count) and the HF export; the
+exactly-once ledger (a rollout is acked on the server only after a checkpoint that records it as consumed has
+committed, so a trainer killed or SIGTERMed at any point neither loses nor retrains one); the SFT warm-start
+that builds the demo's base policy (--mode=sft). Tests and benches import the pieces from here.
+
+Precision: fp32 master weights; --param_dtype=bfloat16 casts them for the forward and the workers; log-probs and
+the loss in fp32. Process 0 alone talks to the queues and broadcasts each batch; every process runs the same
+jitted step over one global (data, fsdp, tensor) mesh (jax.distributed; gloo on CPU, the multi-host code path).
 
 Run:
   CPU, one process:  python train.py --run_dir=runs/x --init_checkpoint=runs/x/base --tokenizer=runs/x/tokenizer.model
   CPU, 2 processes:  add --num_processes=2 --process_id={0,1} --coordinator=127.0.0.1:12355 (launch.sh does this)
   TPU pod:           bash launch.sh v5p-1024  (one trainer process per trainer host; see --dry_run)
 """
+import concurrent.futures
+import dataclasses
 import functools
 import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 
@@ -37,25 +44,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import app, flags, logging
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import common
 import data
-import fileio
-import flags_common
-import hostmem
-import kernels
-import learner
-import ledger
 import losses
 import model
-import shards
+import param_server
 
 FLAGS = flags.FLAGS
 
+
+# --- Flags -----------------------------------------------------------------------------------------------------------
+
 def define_flags():
-  """Called only by main(): importing this file defines no flag (see flags_common)."""
-  flags_common.define_shared_flags(max_new_tokens=8)
-  flags.adopt_module_key_flags(flags_common)
+  """Called only by main(): importing this file defines no flag (see common)."""
+  common.define_shared_flags(max_new_tokens=8)
+  flags.adopt_module_key_flags(common)
   flags.DEFINE_enum("mode", "rl", ["rl", "sft"], "rl: RL from rollouts; sft: supervised warm-start. Default rl.")
   flags.DEFINE_string("run_dir", "runs/local", "Directory for checkpoints, metrics and the final model. Default runs/local.")
   flags.DEFINE_string("shard_servers", "", "Comma-separated host:port of the shard servers; trainer process i "
@@ -162,7 +168,7 @@ def define_flags():
       ("value_clip", nonneg, "finite and >= 0 (0 = off)"), ("export_every", at_least(0), ">= 0 (0 = off)"),
       ("curate_prompts", at_least(0), ">= 0 (0 = off)")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
-  flags.register_validator("pass_band", lambda v: learner.parse_band(v) is not None or not v,
+  flags.register_validator("pass_band", lambda v: parse_band(v) is not None or not v,
                            message="--pass_band must be 'low,high' with 0 <= low < high <= 1, or empty (off)")
   flags.register_multi_flags_validator(
       ["curate_prompts", "pass_band"], lambda f: not f["curate_prompts"] or f["pass_band"],
@@ -171,6 +177,31 @@ def define_flags():
       ["group_size", "dynamic_sampling"], lambda f: f["group_size"] >= 2 or not f["dynamic_sampling"],
       message="--dynamic_sampling needs --group_size >= 2 (a group of 1 always has zero variance: every group "
               "would be dropped and the trainer would wait forever)")
+
+
+# --- Setup -----------------------------------------------------------------------------------------------------------
+
+def setup_mesh():
+  if FLAGS.num_processes == 0:  # TPU pod: the slice tells each host its process id and the coordinator
+    jax.distributed.initialize()
+  elif FLAGS.num_processes > 1:
+    # Cross-process collectives on CPU go through gloo (ignored on TPU). Asking for the backend here would
+    # initialise it before jax.distributed, which must come first.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=FLAGS.coordinator, num_processes=FLAGS.num_processes,
+                               process_id=FLAGS.process_id)
+  return model.make_mesh(*parse_mesh(FLAGS.mesh, jax.device_count()), devices=jax.devices())
+
+
+def parse_mesh(spec, n_devices):
+  dims = [int(x) for x in spec.split(",")]
+  if len(dims) != 3 or dims.count(-1) > 1:
+    raise ValueError(f"--mesh must be data,fsdp,tensor with at most one -1, got {spec!r}")
+  known = int(np.prod([d for d in dims if d != -1]))
+  dims = [n_devices // known if d == -1 else d for d in dims]
+  if int(np.prod(dims)) != n_devices:
+    raise ValueError(f"--mesh {spec} gives {dims}, which does not use the {n_devices} devices")
+  return dims
 
 
 def training_prompts(cfg, tok, flags_file):
@@ -191,86 +222,24 @@ def training_prompts(cfg, tok, flags_file):
   path = os.path.join(FLAGS.run_dir, flags_file)
   if jax.process_index() == 0 and not os.path.exists(path):
     vals = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
-    fileio.write_atomic(path, json.dumps(vals, indent=1, sort_keys=True, default=str))
-  return encode, problems, max_prompt, learner.buckets_for(max_prompt + FLAGS.max_new_tokens)
+    common.write_atomic(path, json.dumps(vals, indent=1, sort_keys=True, default=str))
+  return encode, problems, max_prompt, buckets_for(max_prompt + FLAGS.max_new_tokens)
 
 
-def setup_mesh():
-  if FLAGS.num_processes == 0:  # TPU pod: the slice tells each host its process id and the coordinator
-    jax.distributed.initialize()
-  elif FLAGS.num_processes > 1:
-    # Cross-process collectives on CPU go through gloo (ignored on TPU). Asking for the backend here would
-    # initialise it before jax.distributed, which must come first.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=FLAGS.coordinator, num_processes=FLAGS.num_processes,
-                               process_id=FLAGS.process_id)
-  return model.make_mesh(*learner.parse_mesh(FLAGS.mesh, jax.device_count()), devices=jax.devices())
-
-
-def run_sft():
-  mesh = setup_mesh()
-  tok = data.load_tokenizer(FLAGS.tokenizer)
-  shape = {k: int(v) for k, v in (kv.split("=") for kv in FLAGS.model_config.split(","))}
-  cfg = model.Config.from_hf_dict(dict(
-      model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=tok.vocab_size,
-      hidden_size=shape["d_model"], num_hidden_layers=shape["n_layers"], num_attention_heads=shape["n_heads"],
-      num_key_value_heads=shape["n_kv_heads"], intermediate_size=shape["ffw_dim"], max_position_embeddings=512,
-      rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=tok.bos_id,
-      eos_token_id=tok.eos_id, hidden_act="silu", torch_dtype="float32"))
-  jax.set_mesh(mesh)
-  params = model.shard_params(model.init_params(cfg, jax.random.PRNGKey(FLAGS.seed)), cfg, mesh)
-  opt = learner.make_optimizer(FLAGS.sft_lr, FLAGS.warmup_steps, FLAGS.sft_steps, FLAGS.weight_decay, FLAGS.grad_clip)
-  opt_state = opt.init(params)
-  _, problems, _, buckets = training_prompts(cfg, tok, "sft_flags.json")
-  stream = data.PromptStream(problems, seed=FLAGS.seed)
-  teacher_rng = random.Random(f"sft-teacher|{FLAGS.seed}")
-  bsh = NamedSharding(mesh, P(("data", "fsdp")))
-
-  def loss_fn(params, b):
-    logits = model.forward(params, cfg, b["tokens"], b["positions"], b["segment_ids"], attn_impl=FLAGS.attn_impl)
-    logp = losses.token_logprobs(logits, b["targets"])
-    return -(logp * b["loss_mask"]).sum() / jnp.maximum(b["loss_mask"].sum(), 1)
-
-  @jax.jit
-  def step(params, opt_state, b):
-    loss, g = jax.value_and_grad(loss_fn)(params, b)
-    upd, opt_state = opt.update(g, opt_state, params)
-    return optax.apply_updates(params, upd), opt_state, loss
-
-  metrics = learner.Metrics(os.path.join(FLAGS.run_dir, "sft_metrics.jsonl"))
-  t0 = time.time()
-  recent = []  # device scalars; read back every 10 steps (one host sync per 10, not per step)
-  for i in range(FLAGS.sft_steps):
-    probs = stream.take(FLAGS.sft_batch)
-    b = data.make_batch([tok.encode(data.render_prompt(p, FLAGS.template), add_bos=True) for p in probs],
-                        [tok.encode(learner.teacher_completion(p, FLAGS.sft_slip, teacher_rng)) + [tok.eos_id]
-                         for p in probs], buckets, tok.pad_id)
-    b = {k: b[k].astype(np.float32 if k == "loss_mask" else np.int32) for k in ("tokens", "targets", "positions",
-                                                                               "segment_ids", "loss_mask")}
-    params, opt_state, loss = step(params, opt_state, learner.to_global(b, bsh))
-    recent = (recent + [loss])[-50:]
-    if FLAGS.sft_target_loss and len(recent) == 50 and i % 10 == 0:
-      mean = float(np.mean([float(x) for x in recent]))
-      if mean <= FLAGS.sft_target_loss:
-        metrics.write(dict(step=i, sft_loss_mean50=mean, stopped_at_target=FLAGS.sft_target_loss,
-                           seconds=time.time() - t0))
-        logging.info("sft step %d: mean loss of the last 50 steps %.4f <= target %.4f: done (%.0fs)", i, mean,
-                     FLAGS.sft_target_loss, time.time() - t0)
-        break
-    if i % 20 == 0 or i == FLAGS.sft_steps - 1:
-      loss = float(loss)
-      metrics.write(dict(step=i, sft_loss=loss, seconds=time.time() - t0))
-      logging.info("sft step %d loss %.4f (%.0fs)", i, loss, time.time() - t0)
-  out = FLAGS.sft_out or os.path.join(FLAGS.run_dir, "base")
-  learner.export_hf(out, cfg, params)  # collective: every process takes part
-  logging.info("sft done: %s", out)
+def buckets_for(max_len):
+  """Padded batch lengths: data.BUCKETS, extended (x2) until max_len fits, so 8k-32k sequences get a bucket
+  (compiled shapes stay few: one per power of two)."""
+  b = list(data.BUCKETS)
+  while b[-1] < max_len:
+    b.append(b[-1] * 2)
+  return tuple(b)
 
 
 def init_learner(mesh, cfg, init):
   """(loss config, params = {policy, value}, optimizer state, frozen reference policy or None, jitted step)."""
-  lcfg = learner.loss_config(losses.ALGORITHMS[FLAGS.algo], FLAGS.loss_override, FLAGS.max_new_tokens)
+  lcfg = loss_config(losses.ALGORITHMS[FLAGS.algo], FLAGS.loss_override, FLAGS.max_new_tokens)
   compute_dtype = jnp.dtype(FLAGS.param_dtype)
-  optimizer = learner.make_optimizer(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps, FLAGS.weight_decay, FLAGS.grad_clip)
+  optimizer = make_optimizer(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps, FLAGS.weight_decay, FLAGS.grad_clip)
   policy = model.shard_params(jax.tree.map(jnp.asarray, init), cfg, mesh)  # fp32 master weights
   # PPO's value head (only when the advantage estimator is GAE): a linear map of the final hidden state.
   params = dict(policy=policy, value=dict(w=jnp.zeros((cfg.d_model,), jnp.float32), b=jnp.zeros((), jnp.float32))
@@ -283,14 +252,55 @@ def init_learner(mesh, cfg, init):
                 if lcfg.kl_coef > 0 else None)
   common = dict(cfg=cfg, temperature=FLAGS.temperature, compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl,
                 logprob_chunk=FLAGS.logprob_chunk)
-  loss_fn = functools.partial(learner.rl_loss, lcfg=lcfg, value_coef=FLAGS.value_coef, gae_gamma=FLAGS.gae_gamma,
+  loss_fn = functools.partial(rl_loss, lcfg=lcfg, value_coef=FLAGS.value_coef, gae_gamma=FLAGS.gae_gamma,
                               gae_lambda=FLAGS.gae_lambda, value_clip=FLAGS.value_clip, remat=FLAGS.remat, **common)
-  step = learner.make_train_step(optimizer, loss_fn, FLAGS.grad_accum, epochs=FLAGS.ppo_epochs,
-                                 minibatches=FLAGS.minibatches, prox_fn=functools.partial(learner.proximal, **common))
+  step = make_train_step(optimizer, loss_fn, FLAGS.grad_accum, epochs=FLAGS.ppo_epochs,
+                                 minibatches=FLAGS.minibatches, prox_fn=functools.partial(proximal, **common))
   # Pin the outputs to the inputs' shardings: XLA would otherwise leave updated params/moments replicated.
   shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
   train_step = jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, None))
   return lcfg, params, opt_state, ref_params, train_step
+
+
+def loss_config(base, overrides, max_new_tokens):
+  """The LossConfig the trainer uses: base + --loss_override; seq_mean_token_sum (Dr. GRPO, RLOO) gets the
+  constant generation budget as its normaliser unless max_tokens is overridden, so the loss scale does not change
+  with each batch's padded bucket length."""
+  lcfg = dataclasses.replace(base, **parse_overrides(overrides, base))
+  if lcfg.agg == "seq_mean_token_sum" and lcfg.max_tokens is None:
+    lcfg = dataclasses.replace(lcfg, max_tokens=int(max_new_tokens))
+  return lcfg
+
+
+def parse_overrides(items, base):
+  """["kl_coef=0.01", ...] -> dict of typed values for dataclasses.replace(base, **dict)."""
+  out = {}
+  for it in items:
+    k, sep, v = it.partition("=")
+    if not sep or not hasattr(base, k):
+      raise ValueError(f"bad --loss_override {it!r}: expected field=value, field one of "
+                       f"{[f.name for f in dataclasses.fields(base)]}")
+    cur = getattr(base, k)
+    if v == "None":
+      out[k] = None
+    elif isinstance(cur, bool):
+      out[k] = v.lower() in ("1", "true", "yes")
+    elif isinstance(cur, (int, float)):
+      out[k] = type(cur)(float(v)) if isinstance(cur, float) else int(v)
+    elif cur is None:  # optional numeric knobs default to None (off)
+      out[k] = float(v)
+    else:
+      out[k] = v
+  return out
+
+
+def parse_band(spec):
+  """--pass_band "low,high" -> (low, high) with 0 <= low < high <= 1; None when empty or malformed."""
+  try:
+    low, high = (float(x) for x in spec.split(","))
+  except ValueError:
+    return None
+  return (low, high) if 0.0 <= low < high <= 1.0 else None
 
 
 def connect_servers():
@@ -298,10 +308,116 @@ def connect_servers():
   stages its weight shards on entry process_index % S (shards.publish)."""
   token = open(FLAGS.token_file).read().strip() if FLAGS.token_file else None
   if FLAGS.shard_servers.startswith("self:"):  # a pod: one server per trainer host, on this port
-    addrs = shards.own_server_addresses(FLAGS.server, int(FLAGS.shard_servers[5:]))
+    addrs = own_server_addresses(FLAGS.server, int(FLAGS.shard_servers[5:]))
   else:
     addrs = [FLAGS.server] + [a for a in FLAGS.shard_servers.split(",") if a and a != FLAGS.server]
-  return [shards.connect(a, token, FLAGS.server_retries) for a in addrs]
+  return [param_server.connect(a, token, FLAGS.server_retries) for a in addrs]
+
+
+# --- The loop --------------------------------------------------------------------------------------------------------
+
+def run_rl():
+  """collect -> batch -> step -> publish -> checkpoint -> log, until --steps or a SIGTERM (a TPU preemption:
+  the partial batch goes back to the server, the checkpoint is written, a rerun resumes)."""
+  import param_server
+  from tqdm import tqdm
+  stop = param_server.StopFlag()
+  mesh = setup_mesh()
+  jax.set_mesh(mesh)  # activations are constrained by model.py's logical-axis table over this mesh
+  lead = jax.process_index() == 0
+  if FLAGS.init_checkpoint is None:
+    raise app.UsageError("--mode=rl needs --init_checkpoint (an HF checkpoint dir)")
+  tok = data.load_tokenizer(FLAGS.tokenizer)
+  cfg, init = model.load_hf_checkpoint(FLAGS.init_checkpoint, dtype=jnp.float32)
+  lcfg, params, opt_state, ref_params, train_step = init_learner(mesh, cfg, init)
+  encode, problems, max_prompt, buckets = training_prompts(cfg, tok, "flags.json")
+  servers = connect_servers()
+  collector = Collector(
+      servers[0] if lead else None, data.PromptStream(problems, seed=FLAGS.seed), data.PassRateTracker(), encode,
+      group_size=FLAGS.group_size, prefetch_steps=FLAGS.prefetch_steps, lease_s=FLAGS.rollout_lease_s,
+      wait_s=FLAGS.get_wait_s, max_staleness=FLAGS.max_staleness, dynamic_sampling=FLAGS.dynamic_sampling,
+      band=parse_band(FLAGS.pass_band))
+  # The trainer draws no random numbers of its own: data order is the stream's state (in the checkpoint) and
+  # sampling keys derive from prompt ids on the workers, so the seed is the whole RNG state.
+  state = dict(step=0, version=-1, seed=FLAGS.seed)
+  ckpt = Checkpointer(FLAGS.checkpoint_dir or os.path.join(FLAGS.run_dir, "ckpt"), FLAGS.keep_checkpoints)
+  got = ckpt.restore(params, opt_state)  # onto this run's mesh, whatever mesh wrote it
+  if got:
+    params, opt_state, st = got
+    collector.load_state_dict(st)
+    state = {k: st[k] for k in ("step", "version", "seed", "curated") if k in st}
+    logging.info("resumed at step %d", state["step"])
+  if lead:
+    servers[0].requeue("rollouts")  # leases held by a previous incarnation of this trainer come back now
+  # The workers' sampling settings travel with the weights (manifest header fields): one source of truth for
+  # what the loss scores. max_prompt_len: the longest kept prompt, so the workers size their KV cache from it.
+  meta = dict(config=cfg.to_hf_dict(), sampling=dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k,
+                                                     top_p=FLAGS.top_p, max_new_tokens=FLAGS.max_new_tokens,
+                                                     max_prompt_len=max_prompt))
+  gen = {k: meta["sampling"][k] for k in ("temperature", "top_p", "max_new_tokens")}  # the exports' generation_config
+  state["version"] = publish(servers, state["version"], params["policy"], meta)
+  metrics = Metrics(os.path.join(FLAGS.run_dir, "metrics.jsonl"))
+  lr_at = lr_schedule_fn(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps)  # the optimizer's schedule, for the log
+  if FLAGS.curate_prompts and not state.get("curated"):
+    if lead:
+      curate(collector, stop, metrics)  # its rates are in the checkpointed tracker
+    state["curated"] = True
+  bsh = NamedSharding(mesh, P(("data", "fsdp")))
+  bar = tqdm(total=FLAGS.steps, initial=state["step"], desc=FLAGS.algo, dynamic_ncols=True, mininterval=1.0,
+             miniters=1, disable=not lead)
+  push_s = 0.0
+  while state["step"] < FLAGS.steps:
+    # 1. Collect a batch of rollout groups (process 0), exactly once.
+    t0 = time.time()
+    got = collector.collect(FLAGS.prompts_per_step, state["version"], stop) if lead else None
+    if lead_says(stop.requested):  # the partial batch was never trained: back to the server
+      if lead:
+        collector.hand_back()
+      break
+    wait_s = time.time() - t0
+    # 2. Batch: pad and pack on process 0, broadcast to the others.
+    batch, rewards, lengths = (rl_batch(got.groups, lcfg, tok.pad_id, buckets, FLAGS.max_new_tokens) if lead
+                               else (None, None, None))
+    batch = broadcast_batch(batch)
+    # 3. Step: one jitted update over the global mesh.
+    t1 = time.time()
+    params, opt_state, m = train_step(params, opt_state, ref_params, to_global(batch, bsh))
+    m = {k: float(v) for k, v in m.items()}  # host sync: the step is done
+    step_s = time.time() - t1
+    state["step"] += 1
+    if lead:
+      collector.step_done()
+    trained_version = state["version"]  # the weights these groups are measured against (before this push)
+    # 4. Publish the new weights to the workers (again if a restarted server lost them).
+    last = state["step"] == FLAGS.steps
+    if state["step"] % FLAGS.push_every == 0 or last or weights_lost(servers, state["version"]):
+      t2 = time.time()
+      state["version"] = publish(servers, state["version"], params["policy"], meta)
+      push_s = time.time() - t2
+    # 5. Checkpoint (asynchronous; the rollouts it records are acked once it commits) and export.
+    if state["step"] % FLAGS.checkpoint_every == 0 or last:
+      checkpoint(ckpt, collector, state, params, opt_state)
+    if FLAGS.export_every and state["step"] % FLAGS.export_every == 0:
+      export_hf(os.path.join(FLAGS.run_dir, "exports", f"step_{state['step']:06d}"), cfg,
+                        params["policy"], tokenizer_src=FLAGS.tokenizer, sampling=gen)
+    # 6. Log.
+    if lead:
+      rec = step_record(state, got, collector, trained_version, rewards, lengths, batch, m,
+                        dict(wait_s=wait_s, step_s=step_s, push_s=push_s), float(lr_at(state["step"] - 1)))
+      metrics.write(rec)
+      bar.update(1)
+      bar.set_postfix(reward=f"{rec['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", ent=f"{m.get('entropy', 0):.3f}")
+  checkpoint(ckpt, collector, state, params, opt_state, final=True)
+  ckpt.close()
+  if state["step"] >= FLAGS.steps:
+    out = os.path.join(FLAGS.run_dir, "final")
+    export_hf(out, cfg, params["policy"], tokenizer_src=FLAGS.tokenizer, sampling=gen)
+    if lead:
+      with open(os.path.join(FLAGS.run_dir, "DONE"), "w") as f:
+        f.write(str(state["step"]))
+      logging.info("training done at step %d: %s", state["step"], out)
+  else:
+    logging.info("stopped at step %d (checkpointed); rerun to resume", state["step"])
 
 
 def publish(servers, version, policy, meta):
@@ -309,12 +425,12 @@ def publish(servers, version, policy, meta):
   both ours and the server's (shards.publish). Returns the version published."""
   want = max(version, servers[0].latest_version()) + 1 if jax.process_index() == 0 else 0
   dtype = jnp.dtype(FLAGS.param_dtype)
-  return shards.publish(servers, want, jax.tree.map(lambda x: x.astype(dtype), policy), meta)[0]
+  return publish_shards(servers, want, jax.tree.map(lambda x: x.astype(dtype), policy), meta)[0]
 
 
 def weights_lost(servers, version):
   """A restarted server may have lost our newest version (it persists weights in the background)."""
-  return learner.lead_says(jax.process_index() == 0 and (servers[0].latest_version() < version or any(
+  return lead_says(jax.process_index() == 0 and (servers[0].latest_version() < version or any(
       version not in c.staged()["versions"] for c in servers)))
 
 
@@ -380,118 +496,732 @@ def step_record(state, got, collector, trained_version, rewards, lengths, batch,
   return rec
 
 
-def run_rl():
-  """collect -> batch -> step -> publish -> checkpoint -> log, until --steps or a SIGTERM (a TPU preemption:
-  the partial batch goes back to the server, the checkpoint is written, a rerun resumes)."""
-  import param_server
-  from tqdm import tqdm
-  stop = param_server.StopFlag()
-  mesh = setup_mesh()
-  jax.set_mesh(mesh)  # activations are constrained by model.py's logical-axis table over this mesh
-  lead = jax.process_index() == 0
-  if FLAGS.init_checkpoint is None:
-    raise app.UsageError("--mode=rl needs --init_checkpoint (an HF checkpoint dir)")
-  tok = data.load_tokenizer(FLAGS.tokenizer)
-  cfg, init = model.load_hf_checkpoint(FLAGS.init_checkpoint, dtype=jnp.float32)
-  lcfg, params, opt_state, ref_params, train_step = init_learner(mesh, cfg, init)
-  encode, problems, max_prompt, buckets = training_prompts(cfg, tok, "flags.json")
-  servers = connect_servers()
-  collector = ledger.Collector(
-      servers[0] if lead else None, data.PromptStream(problems, seed=FLAGS.seed), data.PassRateTracker(), encode,
-      group_size=FLAGS.group_size, prefetch_steps=FLAGS.prefetch_steps, lease_s=FLAGS.rollout_lease_s,
-      wait_s=FLAGS.get_wait_s, max_staleness=FLAGS.max_staleness, dynamic_sampling=FLAGS.dynamic_sampling,
-      band=learner.parse_band(FLAGS.pass_band))
-  # The trainer draws no random numbers of its own: data order is the stream's state (in the checkpoint) and
-  # sampling keys derive from prompt ids on the workers, so the seed is the whole RNG state.
-  state = dict(step=0, version=-1, seed=FLAGS.seed)
-  ckpt = learner.Checkpointer(FLAGS.checkpoint_dir or os.path.join(FLAGS.run_dir, "ckpt"), FLAGS.keep_checkpoints)
-  got = ckpt.restore(params, opt_state)  # onto this run's mesh, whatever mesh wrote it
-  if got:
-    params, opt_state, st = got
-    collector.load_state_dict(st)
-    state = {k: st[k] for k in ("step", "version", "seed", "curated") if k in st}
-    logging.info("resumed at step %d", state["step"])
-  if lead:
-    servers[0].requeue("rollouts")  # leases held by a previous incarnation of this trainer come back now
-  # The workers' sampling settings travel with the weights (manifest header fields): one source of truth for
-  # what the loss scores. max_prompt_len: the longest kept prompt, so the workers size their KV cache from it.
-  meta = dict(config=cfg.to_hf_dict(), sampling=dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k,
-                                                     top_p=FLAGS.top_p, max_new_tokens=FLAGS.max_new_tokens,
-                                                     max_prompt_len=max_prompt))
-  gen = {k: meta["sampling"][k] for k in ("temperature", "top_p", "max_new_tokens")}  # the exports' generation_config
-  state["version"] = publish(servers, state["version"], params["policy"], meta)
-  metrics = learner.Metrics(os.path.join(FLAGS.run_dir, "metrics.jsonl"))
-  lr_at = learner.lr_schedule_fn(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps)  # the optimizer's schedule, for the log
-  if FLAGS.curate_prompts and not state.get("curated"):
-    if lead:
-      curate(collector, stop, metrics)  # its rates are in the checkpointed tracker
-    state["curated"] = True
-  bsh = NamedSharding(mesh, P(("data", "fsdp")))
-  bar = tqdm(total=FLAGS.steps, initial=state["step"], desc=FLAGS.algo, dynamic_ncols=True, mininterval=1.0,
-             miniters=1, disable=not lead)
-  push_s = 0.0
-  while state["step"] < FLAGS.steps:
-    # 1. Collect a batch of rollout groups (process 0), exactly once.
-    t0 = time.time()
-    got = collector.collect(FLAGS.prompts_per_step, state["version"], stop) if lead else None
-    if learner.lead_says(stop.requested):  # the partial batch was never trained: back to the server
-      if lead:
-        collector.hand_back()
-      break
-    wait_s = time.time() - t0
-    # 2. Batch: pad and pack on process 0, broadcast to the others.
-    batch, rewards, lengths = (learner.rl_batch(got.groups, lcfg, tok.pad_id, buckets, FLAGS.max_new_tokens) if lead
-                               else (None, None, None))
-    batch = learner.broadcast_batch(batch)
-    # 3. Step: one jitted update over the global mesh.
-    t1 = time.time()
-    params, opt_state, m = train_step(params, opt_state, ref_params, learner.to_global(batch, bsh))
-    m = {k: float(v) for k, v in m.items()}  # host sync: the step is done
-    step_s = time.time() - t1
-    state["step"] += 1
-    if lead:
-      collector.step_done()
-    trained_version = state["version"]  # the weights these groups are measured against (before this push)
-    # 4. Publish the new weights to the workers (again if a restarted server lost them).
-    last = state["step"] == FLAGS.steps
-    if state["step"] % FLAGS.push_every == 0 or last or weights_lost(servers, state["version"]):
-      t2 = time.time()
-      state["version"] = publish(servers, state["version"], params["policy"], meta)
-      push_s = time.time() - t2
-    # 5. Checkpoint (asynchronous; the rollouts it records are acked once it commits) and export.
-    if state["step"] % FLAGS.checkpoint_every == 0 or last:
-      checkpoint(ckpt, collector, state, params, opt_state)
-    if FLAGS.export_every and state["step"] % FLAGS.export_every == 0:
-      learner.export_hf(os.path.join(FLAGS.run_dir, "exports", f"step_{state['step']:06d}"), cfg,
-                        params["policy"], tokenizer_src=FLAGS.tokenizer, sampling=gen)
-    # 6. Log.
-    if lead:
-      rec = step_record(state, got, collector, trained_version, rewards, lengths, batch, m,
-                        dict(wait_s=wait_s, step_s=step_s, push_s=push_s), float(lr_at(state["step"] - 1)))
-      metrics.write(rec)
-      bar.update(1)
-      bar.set_postfix(reward=f"{rec['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", ent=f"{m.get('entropy', 0):.3f}")
-  checkpoint(ckpt, collector, state, params, opt_state, final=True)
-  ckpt.close()
-  if state["step"] >= FLAGS.steps:
-    out = os.path.join(FLAGS.run_dir, "final")
-    learner.export_hf(out, cfg, params["policy"], tokenizer_src=FLAGS.tokenizer, sampling=gen)
-    if lead:
-      with open(os.path.join(FLAGS.run_dir, "DONE"), "w") as f:
-        f.write(str(state["step"]))
-      logging.info("training done at step %d: %s", state["step"], out)
-  else:
-    logging.info("stopped at step %d (checkpointed); rerun to resume", state["step"])
+# --- The step: loss over a batch, PPO epochs, gradient accumulation, the optimizer -----------------------------------
 
+def lr_schedule_fn(lr, warmup, total):
+  # Warmup starts at lr/(warmup+1), not 0: the first step must already move the weights.
+  return optax.warmup_cosine_decay_schedule(lr / (warmup + 1), lr, max(warmup, 1), max(total, warmup + 1),
+                                            end_value=lr * 0.1)
+
+
+def make_optimizer(lr, warmup, total, weight_decay, grad_clip):
+  return optax.chain(optax.clip_by_global_norm(grad_clip),
+                     optax.adamw(lr_schedule_fn(lr, warmup, total), b1=0.9, b2=0.95, weight_decay=weight_decay))
+
+
+def _microbatches(batch, n):
+  b = next(iter(batch.values())).shape[0]
+  if b % n:
+    raise ValueError(f"batch of {b} sequences is not divisible by grad_accum={n}")
+  return jax.tree.map(lambda x: x.reshape(n, b // n, *x.shape[1:]), batch)
+
+
+def score(p, cfg, batch, *, temperature, attn_impl, remat=False, logprob_chunk=0):
+  """(logp, entropy) [B,T] of batch["targets"] under params p, and the final hidden state [B,T,D].
+  remat: each layer's activations are recomputed in the backward pass (only the per-layer residual is kept).
+  logprob_chunk: the log-softmax runs over chunks of that many positions, each recomputed in the backward, so the
+  fp32 [B,T,V] logits (the largest activation for real vocabularies: 8 x 8192 x 152k x 4 B = 40 GB) is never
+  formed; 0 = the whole sequence at once."""
+  h = model.forward_hidden(p, cfg, batch["tokens"], batch["positions"], batch["segment_ids"], attn_impl=attn_impl,
+                           remat=remat)
+  if logprob_chunk:
+    logp, ent = losses.chunked_token_logprobs(h, lambda hc: model.logits_from_hidden(p, cfg, hc), batch["targets"],
+                                              logprob_chunk, temperature)
+  else:
+    logp, ent = losses.token_logprobs_and_entropy(model.logits_from_hidden(p, cfg, h), batch["targets"], temperature)
+  return logp, ent, h
+
+
+def policy_logp(trainable, batch, *, cfg, temperature, compute_dtype, attn_impl, remat=False, logprob_chunk=0):
+  """The trainer's log-probs of batch["targets"] and the final hidden state: the one forward rl_loss differentiates
+  and make_train_step calls once (no gradient, via proximal) for the proximal policy of PPO epochs."""
+  p = jax.tree.map(lambda x: x.astype(compute_dtype), trainable["policy"])
+  return score(p, cfg, batch, temperature=temperature, attn_impl=attn_impl, remat=remat, logprob_chunk=logprob_chunk)
+
+
+def value_head(vh, h):
+  """V(s_t) [B,T] from the final hidden state h [B,T,D]: a linear map, in fp32."""
+  return jnp.einsum("btd,d->bt", h.astype(jnp.float32), vh["w"]) + vh["b"]
+
+
+def proximal(trainable, batch, **kw):
+  """What PPO epochs hold fixed over a step's updates, from one fresh forward at its starting weights (no
+  gradient; make_train_step adds these to the batch): prox_logp [B,T] and, with a value head, old_values [B,T].
+  kw: policy_logp's."""
+  logp, _, h = policy_logp(trainable, batch, **kw)
+  out = dict(prox_logp=logp)
+  if trainable["value"] is not None:
+    out["old_values"] = value_head(trainable["value"], h)
+  return out
+
+
+def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dtype, attn_impl, value_coef,
+            gae_gamma=1.0, gae_lambda=1.0, value_clip=0.0, remat=False, logprob_chunk=0):
+  """trainable = {"policy": params, "value": value head or None}. Returns (loss, metrics).
+  batch["prox_logp"], when present (PPO epochs/minibatches, make_train_step), is the proximal policy of the clip:
+  ratio pi_theta / pi_prox, and TIS (if tis_cap) weighs pi_prox / mu with mu = batch["behaviour_logp"].
+  batch["old_values"], present with it when there is a value head, is V_old: GAE advantages and returns come from
+  it (fixed over the step's updates, as verl/OpenRLHF compute them once per batch) and value_clip > 0 bounds
+  |V - V_old| in the value loss. Without it V_old = stop_gradient(V), where the clip is a no-op and is skipped."""
+  mask = batch["loss_mask"]
+  logp, ent, h = policy_logp(trainable, batch, cfg=cfg, temperature=temperature, compute_dtype=compute_dtype,
+                             attn_impl=attn_impl, remat=remat, logprob_chunk=logprob_chunk)
+  ref_logp = None
+  if ref_params is not None:  # no gradient flows here, so remat would only add work; chunking still saves memory
+    ref_logp = jax.lax.stop_gradient(score(ref_params, cfg, batch, temperature=temperature, attn_impl=attn_impl,
+                                           logprob_chunk=logprob_chunk)[0])
+  adv, extra = batch["advantages"], {}
+  if trainable["value"] is not None:
+    # PPO with a value head on the shared trunk: V(s_t) predicts the return of the sequence from position t;
+    # the outcome reward sits on the last completion position (batch["token_rewards"]).
+    values = value_head(trainable["value"], h)
+    adv, returns = losses.gae(batch["token_rewards"], batch.get("old_values", jax.lax.stop_gradient(values)), mask,
+                              gae_gamma, gae_lambda)
+    clip = value_clip if value_clip > 0 and "old_values" in batch else None
+    extra["value_loss"], frac = losses.value_loss(values, returns, mask, old_values=batch.get("old_values"),
+                                                  clip=clip, with_clip_frac=True)
+    if value_clip > 0:  # without old_values (one update per batch) V_old = V: nothing can be clipped, frac is 0
+      extra["value_clip_frac"] = frac
+  # Truncated IS needs a proximal policy: with one update per batch that is the current policy (ratio 1 inside
+  # the clip), so the correction is the IS weight min(pi / mu, cap) on the behaviour samples.
+  prox = (batch["prox_logp"] if "prox_logp" in batch else
+          jax.lax.stop_gradient(logp) if lcfg.tis_cap is not None else None)
+  loss, m = losses.policy_loss(lcfg, logp, batch["behaviour_logp"], adv, mask, ref_logp=ref_logp,
+                               prox_logp=prox, entropy=ent)
+  if extra:
+    loss = loss + value_coef * extra["value_loss"]
+  # Trainer/inference mismatch on the tokens actually trained (issue 8): |logp_train - logp_infer|.
+  lr = jnp.where(mask > 0, jax.lax.stop_gradient(logp) - batch["behaviour_logp"], 0.0)
+  n = jnp.maximum(mask.sum(), 1)
+  ratio = jnp.exp(lr)
+  m = dict(m, **extra, mismatch_mean=jnp.abs(lr).sum() / n, mismatch_max=jnp.abs(lr).max(),
+           mismatch_p99=jnp.nanpercentile(jnp.where(mask > 0, jnp.abs(lr), jnp.nan), 99),
+           mismatch_k1=(-lr).sum() / n, mismatch_k3=jnp.where(mask > 0, ratio - 1 - lr, 0.0).sum() / n,
+           is_ratio_std=jnp.sqrt(jnp.where(mask > 0, (ratio - (ratio * mask).sum() / n) ** 2, 0.0).sum() / n))
+  return loss, m
+
+
+def make_train_step(optimizer, loss_fn, grad_accum, *, epochs=1, minibatches=1, prox_fn=None):
+  """One trainer step on a batch. epochs x minibatches optimizer updates (PPO epochs, as verl/OpenRLHF/TRL);
+  with more than one update, prox_fn(params, batch) (e.g. proximal) is called once before the first update and
+  its arrays added to the batch: the fixed proximal policy of the clip and V_old, while the worker's behaviour
+  log-probs stay in the batch for TIS (decoupled PPO / AReaL). With 1 x 1 the update is the plain one (ratio
+  pi_theta / mu). The updates are unrolled (epochs * minibatches copies in the compiled step, each a grad_accum
+  scan); metrics are the mean over updates; clip_frac/ratio_min/ratio_max(/value_clip_frac)_last are the last's."""
+  if epochs < 1 or minibatches < 1:
+    raise ValueError(f"make_train_step: epochs={epochs} and minibatches={minibatches} must be >= 1")
+  update = _make_update(optimizer, loss_fn, grad_accum)
+  if epochs == 1 and minibatches == 1:
+    return update
+  if prox_fn is None:
+    raise ValueError("make_train_step: several updates per batch need prox_fn (the proximal log-probs)")
+
+  def step(params, opt_state, ref_params, batch):
+    batch = dict(batch, **jax.lax.stop_gradient(prox_fn(params, batch)))
+    mbs = _microbatches(batch, minibatches)
+    ms = []
+    for _ in range(epochs):
+      for i in range(minibatches):
+        params, opt_state, m = update(params, opt_state, ref_params, jax.tree.map(lambda x: x[i], mbs))
+        ms.append(m)
+    m = jax.tree.map(lambda *xs: sum(xs) / len(xs), *ms)
+    last = ("clip_frac", "ratio_min", "ratio_max", "value_clip_frac")  # the last update's, where clips act most
+    m.update({k + "_last": ms[-1][k] for k in last if k in m})
+    return params, opt_state, m
+  return step
+
+
+def _make_update(optimizer, loss_fn, grad_accum):
+  def step(params, opt_state, ref_params, batch):
+    def micro(acc, mb):
+      (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params, mb)
+      return jax.tree.map(jnp.add, acc, (g, loss, m)), None
+
+    mbs = _microbatches(batch, grad_accum)
+    zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
+        lambda: (params, *jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params,
+                                                                    jax.tree.map(lambda x: x[0], mbs))[0])))
+    (g, loss, m), _ = jax.lax.scan(micro, zero, mbs)
+    g, loss, m = jax.tree.map(lambda x: x / grad_accum, (g, loss, m))
+    updates, opt_state = optimizer.update(g, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, dict(m, loss=loss, grad_norm=optax.tree.norm(g))
+  return step
+
+
+# --- The batch: rollout groups -> padded arrays, process 0 -> every process ------------------------------------------
+
+def rl_batch(groups, lcfg, pad_id, buckets, max_new_tokens):
+  """Rollout groups -> host batch dict (numpy), rewards [P,G], completion lengths [P,G].
+
+  Behaviour log-probs ride along as a completion extra, so they sit where loss_mask is 1: the completion token
+  at sequence index p+j (p = prompt length) is the target of position p+j-1.  Rewards are the verifier's plus,
+  when the algorithm asks for it, DAPO's soft overlong penalty.
+  """
+  prompts, comps, blp, tok_r = [], [], [], []
+  rewards = np.stack([np.asarray(g.rewards, np.float32) for g in groups])  # [P,G]
+  lengths = np.asarray([[len(c) for c in g.completions] for g in groups], np.float32)
+  if lcfg.overlong_buffer_frac:
+    buffer = max(1, round(lcfg.overlong_buffer_frac * max_new_tokens))
+    rewards = rewards + np.asarray(losses.overlong_shaping(lengths, max_new_tokens, buffer))
+  for g, row in zip(groups, rewards):
+    for c, lp, r in zip(g.completions, g.logprobs, row):
+      prompts.append(np.asarray(g.prompt_tokens, np.int32))
+      comps.append(np.asarray(c, np.int32))
+      blp.append(np.asarray(lp, np.float32))
+      tok_r.append(np.eye(1, len(c), len(c) - 1, dtype=np.float32)[0] * r)  # outcome reward on the last token
+  b = data.make_batch(prompts, comps, buckets, pad_id,
+                      completion_extras={"behaviour_logp": blp, "token_rewards": tok_r})
+  adv = np.asarray(losses.config_advantages(lcfg, jnp.asarray(rewards), jnp.asarray(lengths))).reshape(-1) \
+      if lcfg.advantage != "gae" else np.zeros(len(prompts))  # gae: computed in the step from the value head
+  return dict({k: b[k] for k in BATCH_KEYS if k != "advantages"}, advantages=adv.astype(np.float32)), rewards, lengths
+
+
+# Fields of a training batch and their dtypes, in the order broadcast_batch sends them.
+BATCH_KEYS = dict(tokens=np.int32, targets=np.int32, positions=np.int32, segment_ids=np.int32, loss_mask=np.float32,
+                  behaviour_logp=np.float32, token_rewards=np.float32, advantages=np.float32)
+
+
+def broadcast_batch(batch):
+  """Process 0's host batch -> every process (shapes first, since broadcast needs equal shapes)."""
+  if jax.process_count() == 1:
+    return batch
+  lead = jax.process_index() == 0
+  shape = np.asarray(batch["tokens"].shape if lead else (0, 0), np.int32)
+  shape = tuple(int(x) for x in multihost_utils.broadcast_one_to_all(shape))
+  tmpl = {k: (batch[k] if lead else np.zeros(shape[:1] if k == "advantages" else shape, dt))
+          for k, dt in BATCH_KEYS.items()}
+  return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tmpl))
+
+
+def to_global(host_tree, sharding):
+  """Every process holds the same host copy; build global arrays sharded over the mesh from it."""
+  return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx]), host_tree)
+
+
+def lead_says(flag):
+  """Process 0's bool, on every process (each process must take the same branch around a collective)."""
+  if jax.process_count() == 1:
+    return bool(flag)
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(bool(flag))))
+
+
+class Metrics:
+  """jsonl metrics (process 0 only); one line per step."""
+
+  def __init__(self, path):
+    self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if jax.process_index() == 0 else None
+
+  def write(self, rec):
+    # One write() per line: a buffered text file splits a long line (a step's sample ids run past 8 KiB) into
+    # several writes, and a reader tailing the file (plot.py, the system tests, a user's `tail -f | jq`) then sees
+    # a cut line that is not the sign of a crash.
+    if self.fd is not None:
+      data = (json.dumps(rec) + "\n").encode()
+      while data:
+        data = data[os.write(self.fd, data):]
+
+
+# --- Publish: every process stages its own shards, process 0 commits the manifest last -------------------------------
+
+def own_server_addresses(manifest_server, port):
+  """A pod: every trainer process has a shard server on its own host at `port`, except process 0, whose host
+  runs the main server (manifest_server). Returns all of them in process order, as host:port (this host's
+  address is the one that reaches the manifest server): process i stages on entry i. Collective."""
+  import socket
+  host, mport = manifest_server.rsplit(":", 1)
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    s.connect((host, int(mport)))
+    me = f"{s.getsockname()[0]}:{port}".encode()
+  buf = np.zeros(64, np.uint8)
+  buf[:len(me)] = np.frombuffer(me, np.uint8)
+  allb = multihost_utils.process_allgather(buf) if jax.process_count() > 1 else buf[None]
+  return [manifest_server] + [bytes(b).rstrip(b"\0").decode() for b in np.asarray(allb)][1:]
+
+
+def _agree(version):
+  """Process 0's (version, nonce) on every process: all stage under the same tag."""
+  v = np.asarray([version, random.getrandbits(31)], np.int64)
+  if jax.process_count() > 1:
+    v = multihost_utils.broadcast_one_to_all(v)
+  return int(v[0]), int(v[1])
+
+
+def publish_shards(clients, version, tree, meta):
+  """Stages this process's replica-0 shards of `tree` on its server; process 0 commits the manifest last.
+  Collective: every trainer process calls it. Returns (version, bytes this process sent)."""
+  version, nonce = _agree(version)
+  flat = param_server.flatten(tree)
+  own, sent = clients[jax.process_index() % len(clients)], 0
+  for name, x in flat.items():
+    for s in x.addressable_shards:
+      if s.replica_id == 0:
+        host = np.asarray(s.data)  # this shard only, device -> host
+        own.stage(version, nonce, name, param_server.slice_index(s.index, x.shape), host)
+        sent += host.nbytes
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f"publish v{version}")  # every process has staged
+  if jax.process_index() == 0:
+    _commit(clients, version, nonce, flat, meta)
+  return version, sent
+
+
+def _commit(clients, version, nonce, flat, meta):
+  """Builds the manifest from what the servers really hold, checks it covers every slice, commits it, GCs."""
+  with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
+    tables = list(pool.map(lambda c: c.staged(version, nonce)["pieces"], clients))
+  tensors = {n: dict(dtype=str(x.dtype), shape=list(x.shape), pieces=[]) for n, x in flat.items()}
+  for k, table in enumerate(tables):
+    for p in table:
+      tensors[p["name"]]["pieces"].append(dict(index=p["index"], crc=p["crc"], server=k))
+  for n, x in flat.items():
+    need = {json.dumps(param_server.slice_index(i, x.shape)) for i in x.sharding.devices_indices_map(x.shape).values()}
+    have = [json.dumps(p["index"]) for p in tensors[n]["pieces"]]
+    if need != set(have) or len(have) != len(need):
+      raise RuntimeError(f"publish v{version}: tensor {n!r} staged slices {sorted(have)} != expected {sorted(need)}")
+  kept = clients[0].commit(dict(meta, version=version, servers=[f"{c.host}:{c.port}" for c in clients],
+                                tensors=tensors))
+  for c in clients:
+    c.staged(keep=kept)
+
+
+# --- Checkpoint and HF export ----------------------------------------------------------------------------------------
+
+class Checkpointer:
+  """Sharded, asynchronous, elastic checkpoints (orbax-checkpoint, as MaxText and Tunix use).
+  Each process writes only its own shards of params and optimizer state (OCDBT/tensorstore); save() returns
+  once the shards are copied to host and training goes on while they are written; a step directory becomes a
+  checkpoint only when orbax has committed it (its marker written last, after every process finished), so a
+  checkpoint is either complete or ignored. restore() reads onto whatever mesh / process count the `like` arrays
+  have (written by 4 processes fsdp=4, resumed by 2 or 1). The run state (step, cursor, pass rates, consumed ids,
+  version) is a JSON item of the same step. Why orbax: it is the JAX ecosystem's multi-host checkpointer; a
+  hand-rolled per-process writer would have to redo its resharding reads and its cross-process commit protocol.
+  """
+
+  def __init__(self, ckpt_dir, keep):
+    import orbax.checkpoint as ocp
+    self.ocp = ocp
+    path = ckpt_dir if "://" in ckpt_dir else os.path.abspath(ckpt_dir)  # gs://... goes to orbax as is
+    self.mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
+        max_to_keep=keep, enable_async_checkpointing=True, create=True))
+
+  def save(self, step, params, opt_state, state):
+    """Starts writing step (collective); returns False if that step is already saved."""
+    if self.mngr.latest_step() == step:
+      return False
+    a = self.ocp.args
+    self.mngr.save(step, args=a.Composite(params=a.StandardSave(params), opt=a.StandardSave(opt_state),
+                                          state=a.JsonSave(state)))
+    return True
+
+  def wait(self):
+    """Blocks until the last save is committed."""
+    self.mngr.wait_until_finished()
+
+  def restore(self, params_like, opt_like):
+    """(params, opt_state, state) of the newest committed step placed like params_like/opt_like, or None."""
+    step = self.mngr.latest_step()
+    if step is None:
+      return None
+    a = self.ocp.args
+    abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)  # noqa: E731
+    r = self.mngr.restore(step, args=a.Composite(params=a.StandardRestore(abstract(params_like)),
+                                                 opt=a.StandardRestore(abstract(opt_like)), state=a.JsonRestore()))
+    return r["params"], r["opt"], r["state"]
+
+  def close(self):
+    self.mngr.close()
+
+
+def read_state(ckpt_dir):
+  """The run state of the newest committed checkpoint (no arrays read), or None."""
+  c = Checkpointer(ckpt_dir, keep=1 << 30)
+  try:
+    step = c.mngr.latest_step()
+    return None if step is None else c.mngr.restore(step, args=c.ocp.args.Composite(
+        state=c.ocp.args.JsonRestore()))["state"]
+  finally:
+    c.close()
+
+
+def export_hf(out, cfg, params, dtype=None, tokenizer_src=None, sampling=None):
+  """HF safetensors from (possibly cross-process sharded) params, gathering one tensor at a time; process 0
+  writes. Collective: every process calls it. Written to out.tmp and renamed (complete or absent). With
+  tokenizer_src, the tokenizer files and a generation_config.json go beside it, so transformers'
+  AutoTokenizer/AutoModelForCausalLM.from_pretrained(out) load the export as is (sampling: the run's temperature,
+  top_p and max_new_tokens for generation_config.json)."""
+  lead = jax.process_index() == 0
+  flat = param_server.flatten(params)
+
+  def get_leaf(key):
+    x = flat["/".join(key)]
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True) if jax.process_count() > 1 else x)
+
+  model.save_hf_checkpoint_streamed(out + ".tmp", cfg, get_leaf, dtype or params["embed"].dtype, write=lead)
+  if lead and tokenizer_src:
+    src = tokenizer_src if os.path.isdir(tokenizer_src) else os.path.dirname(os.path.abspath(tokenizer_src))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                 "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt"):
+      if os.path.exists(os.path.join(src, name)):
+        shutil.copy(os.path.join(src, name), os.path.join(out + ".tmp", name))
+    gen = os.path.join(out + ".tmp", "generation_config.json")
+    if not os.path.exists(gen):
+      with open(gen, "w") as f:
+        json.dump(dict(bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids) or None,
+                       do_sample=True, **(sampling or {})), f, indent=1)
+  if lead:
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(out + ".tmp", out)
+
+
+# --- The exactly-once ledger: prompts issued, rollouts leased, acked after the checkpoint commits --------------------
+
+class RolloutLedger:
+  """Which rollout ids this trainer lineage consumed, for exactly-once acks; bounded for runs of any length.
+
+  Bounded: a checkpoint records a count plus the ids of its newest `keep` generations (a generation = the ids
+  settled between two checkpoints), not every id ever consumed. That suffices: an id comes back from the server
+  only while it is unacked, and a generation is acked right after the checkpoint recording it commits, so after
+  a crash the only recorded-but-unacked ids are in the newest generations.
+  """
+
+  def __init__(self, keep=3):
+    self.keep, self.count, self.gens, self._recorded = keep, 0, [], set()  # as in the newest checkpoint
+    self.unacked, self.unacked_notices = [], []  # recorded by a checkpoint not yet committed
+    self.settled, self.notices = [], []  # trained / skipped / quarantined in steps done since that checkpoint
+    self.batch = []     # leased for the step being collected
+    self.reissued = 0   # prompts re-issued (stale) for the step being collected
+
+  def __len__(self):  # every prompt this lineage consumed or holds (leased and not handed back)
+    return self.count + len(self.settled) + len(self.notices) + len(self.batch)
+
+  def _held(self, rid):
+    return rid in self._recorded or rid in self.batch or rid in self.settled or rid in self.notices
+
+  def lease(self, rid):
+    """'acked_dup': in a committed checkpoint but not acked before a crash (ack it again); 'dup': leased twice
+    in this incarnation (a lease expired) or in a checkpoint still being committed; 'new': now part of the step
+    being collected."""
+    if rid in self._recorded and rid not in self.unacked:
+      return "acked_dup"
+    if self._held(rid):
+      return "dup"
+    self.batch.append(rid)
+    return "new"
+
+  def settle_notice(self, rid, client):
+    """A quarantine notice for prompt rid: consumed without training, acked after the next checkpoint commits.
+    False if rid is already held (its rollout arrived first, or the notice came back after a crash): then the
+    notice is only acked, at once."""
+    if rid in self.unacked_notices or rid in self.notices:
+      return False
+    if self._held(rid):
+      client.ack("prompts.failed", [rid])
+      return False
+    self.notices.append(rid)
+    return True
+
+  def step_done(self):
+    self.settled += self.batch
+    self.batch, self.reissued = [], 0
+
+  def release(self, client):
+    """A stop mid-collection: the partial batch goes back to the server untrained. Returns the prompts this
+    batch had re-issued (the caller un-counts them: the re-issue repeats, deduplicated by id)."""
+    if self.batch:
+      client.requeue("rollouts", self.batch)
+    n, self.batch, self.reissued = self.reissued, [], 0
+    return n
+
+  def state_dict(self):
+    """What the next checkpoint records: everything settled so far."""
+    assert not self.batch, "a checkpoint inside a collection would record untrained rollouts"
+    return dict(count=self.count + len(self.settled) + len(self.notices),
+                gens=(self.gens + [self.settled + self.notices])[-self.keep:])
+
+  def saved(self):
+    """The checkpoint holding state_dict() is being written: its ids wait for the commit to be acked."""
+    self.load_state_dict(self.state_dict())
+    self.unacked += self.settled
+    self.unacked_notices += self.notices
+    self.settled, self.notices = [], []
+
+  def committed(self, client):
+    """That checkpoint is on disk: ack, and its ids are consumed."""
+    if self.unacked:
+      client.ack("rollouts", self.unacked)
+    if self.unacked_notices:
+      client.ack("prompts.failed", self.unacked_notices)
+    self.unacked, self.unacked_notices = [], []
+
+  def load_state_dict(self, d):
+    if not isinstance(d, dict) or not isinstance(d.get("count"), int) or not isinstance(d.get("gens"), list):
+      raise ValueError(f"RolloutLedger.load_state_dict: expected {{count: int, gens: [[ids]]}}, got {str(d)[:80]}")
+    self.count, self.gens = d["count"], [list(g) for g in d["gens"]]
+    self._recorded = {r for g in self.gens for r in g}
+
+
+def in_band(tracker, pid, band, min_samples):
+  """Online curation: is prompt pid still worth issuing? Unknown or barely sampled prompts are; otherwise its
+  recent (EMA) pass rate must lie strictly inside the band (the paper drops always- and never-solved prompts)."""
+  st = tracker.stats.get(pid)
+  if band is None or st is None or st[0] < min_samples:
+    return True
+  return band[0] < tracker.ema_rate(pid) < band[1]
+
+
+@dataclasses.dataclass
+class Collected:
+  """One step's collection: the groups to train on and what was consumed without training (for metrics)."""
+  groups: list = dataclasses.field(default_factory=list)  # data.Rollout
+  skipped: list = dataclasses.field(default_factory=list)  # ids: stale (re-issued), zero-variance, malformed
+  stale: int = 0
+  zero_var: int = 0
+  duplicates: int = 0
+  malformed: int = 0
+
+
+class Collector:
+  """Process 0's side of the "prompts" / "rollouts" queues (module docstring). `encode(problem)` -> prompt ids;
+  `band`: (low, high) pass-rate band of online curation, or None; `lease_s` / `wait_s`: the rollout lease and
+  the long-poll wait of each get, in seconds."""
+
+  def __init__(self, client, stream, tracker, encode, *, group_size, prefetch_steps, lease_s, wait_s,
+               max_staleness, dynamic_sampling, band):
+    self.client, self.stream, self.tracker, self.encode = client, stream, tracker, encode
+    self.group_size, self.prefetch_steps, self.lease_s, self.wait_s = group_size, prefetch_steps, lease_s, wait_s
+    self.max_staleness, self.dynamic_sampling, self.band = max_staleness, dynamic_sampling, band
+    self.ledger = RolloutLedger()
+    self.seq = self.issued = self.band_skipped = 0  # prompts given ids / issued / skipped as out of band
+    self.quarantined = []  # dict(id, reason, failures) per prompt the server quarantined
+    self._rated = []  # (prompt id, rewards) of the step being collected: into the tracker once it is trained
+
+  # -- checkpointed state: flat keys, as train.py's checkpoints have always stored them
+  def state_dict(self):
+    return dict(seq=self.seq, issued=self.issued, band_skipped=self.band_skipped, quarantined=self.quarantined,
+                stream=self.stream.state_dict(), pass_rates=self.tracker.state_dict(),
+                consumed=self.ledger.state_dict())
+
+  def load_state_dict(self, st):
+    self.seq, self.issued = st["seq"], st["issued"]
+    self.band_skipped, self.quarantined = st.get("band_skipped", 0), st.get("quarantined", [])
+    self.stream.load_state_dict(st["stream"])
+    self.tracker.load_state_dict(st["pass_rates"])
+    self.ledger.load_state_dict(st["consumed"])
+
+  # -- the loop's calls
+  def collect(self, n, version, stop):
+    """Leases rollouts until n groups to train on, or until stop.requested (then the caller hands back)."""
+    got = Collected()
+    while len(got.groups) < n and not stop.requested:
+      self.note_quarantined()
+      self.issue(n * self.prefetch_steps)
+      for it in self.client.get("rollouts", max_items=n - len(got.groups), wait_s=self.wait_s,
+                                lease_s=self.lease_s):
+        self._take(it, version, got)
+    return got
+
+  def hand_back(self):
+    n = len(self.ledger.batch)
+    self.issued -= self.ledger.release(self.client)
+    self._rated = []  # not trained: must not count in the pass rates
+    logging.info("stop requested mid-collection: %d leased rollouts handed back untrained", n)
+
+  def step_done(self):
+    self.ledger.step_done()
+    for pid, r in self._rated:  # not before: a partial batch handed back on SIGTERM must not count twice
+      self.tracker.update(pid, r)
+    self._rated = []
+
+  def saved(self):
+    self.ledger.saved()
+
+  def committed(self):
+    self.ledger.committed(self.client)  # only now are these rollouts durably consumed
+
+  # -- the parts
+  def _take(self, it, version, got):
+    """One leased rollout: a duplicate, stale, malformed, zero-variance, or one to train on."""
+    rid = it["id"]
+    if rid.startswith("c"):  # a curation rollout from before a trainer restart: already counted
+      self.client.ack("rollouts", [rid])
+      return
+    seen = self.ledger.lease(rid)
+    if seen != "new":
+      if seen == "acked_dup":  # recorded by a checkpoint but not acked before a crash
+        self.client.ack("rollouts", [rid])
+      got.duplicates += 1
+      return
+    try:
+      r = data.Rollout.from_wire(it)
+    except ValueError as e:  # consumed without training; its prompt goes out again if it can be read
+      logging.error("%s; skipped", e)
+      got.malformed += 1
+      got.skipped.append(rid)
+      try:
+        self._reissue(rid, data.PromptItem.from_wire(dict(it, group_size=self.group_size)))
+      except ValueError:
+        logging.error("rollout %r: its prompt fields are unreadable too; the prompt is not re-issued", rid)
+      return
+    if version - r.version > self.max_staleness:
+      got.stale += 1  # too old to train on: re-issue the prompt under a fresh id
+      got.skipped.append(rid)
+      self._reissue(rid, r.prompt_item(rid, self.group_size))
+      return
+    self._rated.append((r.problem.id, r.rewards))  # counted once the step is done
+    if self.dynamic_sampling and not data.group_has_signal(r.rewards):
+      got.zero_var += 1
+      got.skipped.append(rid)
+      return
+    got.groups.append(r)
+
+  def _reissue(self, rid, item):
+    self.client.put("prompts", [dataclasses.replace(item, id=rid + "r").to_wire()])
+    self.issued += 1
+    self.ledger.reissued += 1
+
+  def issue(self, target):
+    """Keeps `target` prompts issued and not yet consumed."""
+    items = []
+    while self.issued - len(self.ledger) < target:
+      items.append(self.prompt_item(f"s{self.seq}", self.next_in_band()).to_wire())
+      self.seq += 1
+      self.issued += 1
+    if items:
+      self.client.put("prompts", items)
+
+  def prompt_item(self, pid, problem):
+    return data.PromptItem(pid, problem, np.asarray(self.encode(problem), np.int32), self.group_size)
+
+  def next_in_band(self):
+    # At most one pass over the stream is skipped, so a band that nothing is inside cannot stall the run.
+    for _ in range(len(self.stream.problems)):
+      p = self.stream.next()
+      if in_band(self.tracker, p.id, self.band, self.group_size):
+        return p
+      self.band_skipped += 1
+    return p
+
+  def note_quarantined(self):
+    """Prompts the server quarantined (notices in the queue "prompts.failed") count as consumed without
+    training, so issue() sends a replacement; each is recorded once in the checkpointed state and its notice
+    acked once that checkpoint commits. Returns how many were new."""
+    new = 0
+    for it in self.client.get("prompts.failed", max_items=1000, lease_s=self.lease_s):
+      if self.ledger.settle_notice(it["id"], self.client):
+        self.quarantined.append(dict(id=it["id"], reason=it["reason"], failures=it["failures"]))
+        logging.warning("prompt %s quarantined by the server after %d failures: %s", it["id"], it["failures"],
+                        it["reason"][:300])
+        new += 1
+    return new
+
+  def curate(self, n, stop):
+    """Offline curation through the workers at the base weights: group_size samples of each of the next n
+    prompts of the stream (ids c<i>, scored, never trained on); their pass rates go into the tracker, which
+    decides what is issued (in_band). The stream itself stays the whole training set: RL on a small kept subset
+    memorises it (measured: a 754-prompt subset, each drawn ~25 times, raised the training reward 0.19 -> 0.47
+    and held-out pass@8 fell 36.6% -> 18.8%). Returns (the rated candidates, {problem id: pass rate}); a malformed
+    rollout is logged and its prompt left unrated."""
+    from tqdm import tqdm
+    cand = self.stream.peek(min(n, len(self.stream.problems)))
+    for s in range(0, len(cand), 256):  # bounded frames
+      self.client.put("prompts", [self.prompt_item(f"c{i}", p).to_wire() for i, p in enumerate(cand[s:s + 256], s)])
+    seen = set()
+    bar = tqdm(total=len(cand), desc="curation: base pass rates", dynamic_ncols=True, mininterval=1.0)
+    while len(seen) < len(cand):
+      if stop.requested:  # nothing trained yet: the restarted trainer curates again
+        raise SystemExit("stopped during curation")
+      for it in self.client.get("rollouts", max_items=64, wait_s=self.wait_s, lease_s=self.lease_s):
+        if it["id"].startswith("c") and it["id"] not in seen:
+          seen.add(it["id"])
+          bar.update(1)
+          try:
+            r = data.Rollout.from_wire(it)
+            self.tracker.update(r.problem.id, r.rewards)
+          except ValueError as e:  # its prompt stays unrated, which in_band treats as worth issuing
+            logging.error("%s; curation rollout skipped", e)
+        self.client.ack("rollouts", [it["id"]])
+    bar.close()
+    rates = {p.id: r for p in cand if (r := self.tracker.rate(p.id)) is not None}  # not malformed rollouts' prompts
+    return [p for p in cand if p.id in rates], rates
+
+
+# --- SFT warm-start (the demo's base policy) -------------------------------------------------------------------------
+
+def run_sft():
+  mesh = setup_mesh()
+  tok = data.load_tokenizer(FLAGS.tokenizer)
+  shape = {k: int(v) for k, v in (kv.split("=") for kv in FLAGS.model_config.split(","))}
+  cfg = model.Config.from_hf_dict(dict(
+      model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=tok.vocab_size,
+      hidden_size=shape["d_model"], num_hidden_layers=shape["n_layers"], num_attention_heads=shape["n_heads"],
+      num_key_value_heads=shape["n_kv_heads"], intermediate_size=shape["ffw_dim"], max_position_embeddings=512,
+      rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=tok.bos_id,
+      eos_token_id=tok.eos_id, hidden_act="silu", torch_dtype="float32"))
+  jax.set_mesh(mesh)
+  params = model.shard_params(model.init_params(cfg, jax.random.PRNGKey(FLAGS.seed)), cfg, mesh)
+  opt = make_optimizer(FLAGS.sft_lr, FLAGS.warmup_steps, FLAGS.sft_steps, FLAGS.weight_decay, FLAGS.grad_clip)
+  opt_state = opt.init(params)
+  _, problems, _, buckets = training_prompts(cfg, tok, "sft_flags.json")
+  stream = data.PromptStream(problems, seed=FLAGS.seed)
+  teacher_rng = random.Random(f"sft-teacher|{FLAGS.seed}")
+  bsh = NamedSharding(mesh, P(("data", "fsdp")))
+
+  def loss_fn(params, b):
+    logits = model.forward(params, cfg, b["tokens"], b["positions"], b["segment_ids"], attn_impl=FLAGS.attn_impl)
+    logp = losses.token_logprobs(logits, b["targets"])
+    return -(logp * b["loss_mask"]).sum() / jnp.maximum(b["loss_mask"].sum(), 1)
+
+  @jax.jit
+  def step(params, opt_state, b):
+    loss, g = jax.value_and_grad(loss_fn)(params, b)
+    upd, opt_state = opt.update(g, opt_state, params)
+    return optax.apply_updates(params, upd), opt_state, loss
+
+  metrics = Metrics(os.path.join(FLAGS.run_dir, "sft_metrics.jsonl"))
+  t0 = time.time()
+  recent = []  # device scalars; read back every 10 steps (one host sync per 10, not per step)
+  for i in range(FLAGS.sft_steps):
+    probs = stream.take(FLAGS.sft_batch)
+    b = data.make_batch([tok.encode(data.render_prompt(p, FLAGS.template), add_bos=True) for p in probs],
+                        [tok.encode(teacher_completion(p, FLAGS.sft_slip, teacher_rng)) + [tok.eos_id]
+                         for p in probs], buckets, tok.pad_id)
+    b = {k: b[k].astype(np.float32 if k == "loss_mask" else np.int32) for k in ("tokens", "targets", "positions",
+                                                                               "segment_ids", "loss_mask")}
+    params, opt_state, loss = step(params, opt_state, to_global(b, bsh))
+    recent = (recent + [loss])[-50:]
+    if FLAGS.sft_target_loss and len(recent) == 50 and i % 10 == 0:
+      mean = float(np.mean([float(x) for x in recent]))
+      if mean <= FLAGS.sft_target_loss:
+        metrics.write(dict(step=i, sft_loss_mean50=mean, stopped_at_target=FLAGS.sft_target_loss,
+                           seconds=time.time() - t0))
+        logging.info("sft step %d: mean loss of the last 50 steps %.4f <= target %.4f: done (%.0fs)", i, mean,
+                     FLAGS.sft_target_loss, time.time() - t0)
+        break
+    if i % 20 == 0 or i == FLAGS.sft_steps - 1:
+      loss = float(loss)
+      metrics.write(dict(step=i, sft_loss=loss, seconds=time.time() - t0))
+      logging.info("sft step %d loss %.4f (%.0fs)", i, loss, time.time() - t0)
+  out = FLAGS.sft_out or os.path.join(FLAGS.run_dir, "base")
+  export_hf(out, cfg, params)  # collective: every process takes part
+  logging.info("sft done: %s", out)
+
+
+def teacher_completion(problem, slip: float, rng) -> str:
+  """The SFT target: the reference completion, except that with probability `slip` (one draw of `rng`) the last
+  digit is written one too high (9 -> 0). The rest of the answer stays right, so the student must still learn the
+  task to imitate the slip; the slip is a habit RL can remove, not a skill it has to discover."""
+  text = data.reference_completion(problem)
+  last = max((i for i, c in enumerate(text) if c.isdigit()), default=None)
+  if slip and rng.random() < slip and last is not None:
+    text = text[:last] + str((int(text[last]) + 1) % 10) + text[last + 1:]
+  return text
+
+
+# --- main ------------------------------------------------------------------------------------------------------------
 
 def main(argv):
   del argv
-  hostmem.tune()  # before the first JAX computation: XLA's step buffers reused, not page-faulted in every step
-  if FLAGS.exact_logprobs:
-    kernels.enable_exact_mode()  # also before the first computation: an XLA flag (kernels.py)
-    if not kernels.exact_mode_measured_cpu():
-      logging.warning("--exact_logprobs: this CPU has no AVX512-BF16, where exact mode was not measured: log-probs "
-                      "may still differ in the last bits (metrics.jsonl's mismatch_max shows it every step)")
+  common.tune_malloc()  # before the first JAX computation: XLA's step buffers reused, not page-faulted in every step
   if FLAGS.tokenizer is None:
     raise app.UsageError("--tokenizer is required")
   os.makedirs(FLAGS.run_dir, exist_ok=True)

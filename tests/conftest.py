@@ -8,5 +8,5 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# No hostmem.tune() in this process (train.py and rollout.py call it; the processes the system tests start do):
+# No common.tune_malloc() in this process (train.py and rollout.py call it; the processes the system tests start do):
 # with one malloc arena the Pallas TPU interpreter's 8-device run in tests/test_kernels.py deadlocks (hostmem.py).

@@ -51,11 +51,11 @@ def tiny(seed, mesh, cfg_hf=CFG_HF):
 def publish(n, i, port, servers, version, die_after=None):
   import model
   import param_server
-  import shards
+  import train
   init(n, i, port)
   mesh = model.make_mesh(1, jax.device_count(), 1)
   cfg, params = tiny(version, mesh)
-  clients = [shards.connect(a, token="t") for a in servers.split(",")]
+  clients = [param_server.connect(a, token="t") for a in servers.split(",")]
   if die_after is not None:  # SIGKILL after staging die_after pieces
     staged, real = [0], param_server.Client.stage
 
@@ -65,7 +65,7 @@ def publish(n, i, port, servers, version, die_after=None):
       staged[0] += 1
       return real(self, *a)
     param_server.Client.stage = stage
-  _, sent = shards.publish(clients, version, params, dict(config=cfg.to_hf_dict(), sampling={}))
+  _, sent = train.publish_shards(clients, version, params, dict(config=cfg.to_hf_dict(), sampling={}))
   print("SENT", sent, flush=True)
 
 
@@ -76,14 +76,14 @@ def ckpt(n, i, port, d, start, stop, save_at):
   from jax.sharding import NamedSharding, PartitionSpec as P
   import losses
   import model
-  import learner
+  import train
   init(n, i, port)
   mesh = model.make_mesh(1, jax.device_count(), 1)
   jax.set_mesh(mesh)
   cfg, params = tiny(0, mesh)
-  opt = learner.make_optimizer(1e-2, 1, 20, 0.0, 1.0)
+  opt = train.make_optimizer(1e-2, 1, 20, 0.0, 1.0)
   opt_state = jax.tree.map(jnp.copy, opt.init(params))
-  c = learner.Checkpointer(d, keep=2)
+  c = train.Checkpointer(d, keep=2)
   if start:
     params, opt_state, st = c.restore(params, opt_state)
     assert st["step"] == start, st
@@ -105,7 +105,7 @@ def ckpt(n, i, port, d, start, stop, save_at):
     tok = rng.integers(0, cfg.vocab_size, (8, 17)).astype(np.int32)
     b = dict(tokens=tok[:, :-1], targets=tok[:, 1:], positions=np.tile(np.arange(16, dtype=np.int32), (8, 1)),
              segment_ids=np.ones((8, 16), np.int32))
-    params, opt_state, loss = step(params, opt_state, learner.to_global(b, bsh))
+    params, opt_state, loss = step(params, opt_state, train.to_global(b, bsh))
     print("LOSS", s + 1, repr(float(loss)), flush=True)
     if s + 1 == save_at:
       c.save(s + 1, params, opt_state, dict(step=s + 1))

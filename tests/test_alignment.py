@@ -1,5 +1,5 @@
 """Trainer/inference numerical alignment (issue 8): the worker's behaviour log-probs (rollout.Engine decode path)
-against the trainer's recomputation (learner.rl_batch + the ops of learner.rl_loss), on 1 device and across meshes.
+against the trainer's recomputation (train.rl_batch + the ops of train.rl_loss), on 1 device and across meshes.
 
 Fails when fp32 drift exceeds 1e-5 per token, when scoring at the sampling temperature stops giving ratio 1,
 or when the bf16 alignment measures stop beating the unaligned variants they are documented to improve on.
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import bench_alignment as ba
+from bench import alignment as ba
 import model
 import rollout
 

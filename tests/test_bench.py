@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import bench_decode
-import bench_train
+from bench import decode as bench_decode
+from bench import train_step as bench_train
 import losses
 import model
-import learner
+import train
 
 
 def _positive(x):
@@ -70,13 +70,13 @@ def test_train_flops_count_the_reference_forward():
                      tie_embeddings=True)
   lcfg = dataclasses.replace(losses.ALGORITHMS["grpo"], kl_coef=0.04)
   params = jax.eval_shape(lambda: dict(policy=model.init_params(cfg, jax.random.PRNGKey(0)), value=None))
-  opt = learner.make_optimizer(1e-4, 5, 100, 0.0, 1.0)
-  loss_fn = lambda p, r, b: learner.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0,  # noqa: E731
+  opt = train.make_optimizer(1e-4, 5, 100, 0.0, 1.0)
+  loss_fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0,  # noqa: E731
                                           compute_dtype=jnp.float32, attn_impl="auto", value_coef=0.5)
   for a.seq_len in (32, 320):  # one attention block; 4 causal query blocks (kernels.causal_blocks)
-    batch, _, _ = learner.rl_batch(bench_train.synthetic_groups(a, np.random.default_rng(0)), lcfg, 0,
+    batch, _, _ = train.rl_batch(bench_train.synthetic_groups(a, np.random.default_rng(0)), lcfg, 0,
                                  (a.seq_len,), a.seq_len // 2)
-    jaxpr = jax.make_jaxpr(learner.make_train_step(opt, loss_fn, 1))(
+    jaxpr = jax.make_jaxpr(train.make_train_step(opt, loss_fn, 1))(
         params, jax.eval_shape(opt.init, params), params["policy"], batch)
     want = a.batch * 4 * bench_train.forward_flops_per_sequence(cfg, a.seq_len)
     assert bench_train.jaxpr_matmul_flops(jaxpr) == want, a.seq_len

@@ -1,5 +1,5 @@
 """Delta weight sync (issue 18): a reader holding version v pulls only what changed (param_server DELTA,
-shards.pull(base=...)); its weights stay bit-identical to the published ones through skipped versions, a
+rollout.pull_weights(base=...)); its weights stay bit-identical to the published ones through skipped versions, a
 server restart and a corrupted base."""
 import zlib
 
@@ -10,7 +10,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import param_server as ps
-import shards
+import train
+import rollout
+import param_server
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -41,7 +43,7 @@ class Trainer:
     mesh = _trainer_mesh()
     tree = {k: jax.device_put(x, NamedSharding(mesh, P("fsdp") if x.shape[0] % 4 == 0 else P()))
             for k, x in self.published.items()}
-    shards.publish([self.client], self.version, tree, dict(config={}, sampling={}))
+    train.publish_shards([self.client], self.version, tree, dict(config={}, sampling={}))
 
 
 def _same(got, want):
@@ -61,14 +63,14 @@ def test_delta_pulls_stay_bit_identical_through_a_skipped_version_and_a_server_r
   reader, clients, sh = ps.Client("127.0.0.1", port), {}, _reader_shardings()
   trainer.step_and_publish()
   m = reader.manifest()
-  params, _ = shards.pull(m, sh, clients)  # first pull: full
+  params, _ = rollout.pull_weights(m, sh, clients)  # first pull: full
   held = (m, params)
 
   def delta_pull():
     nonlocal held
     m = reader.manifest(newer_than=held[0]["version"])
     st = {}
-    params, nbytes = shards.pull(m, sh, clients, base=held, stats=st)
+    params, nbytes = rollout.pull_weights(m, sh, clients, base=held, stats=st)
     assert _same(params, trainer.published) and st["fallbacks"] == 0
     held = (m, params)
     return st
@@ -80,7 +82,7 @@ def test_delta_pulls_stay_bit_identical_through_a_skipped_version_and_a_server_r
   assert 0 < st["changed_bytes"] < st["covered_bytes"]
   builds = reader.stats()["delta"]["builds"]
   other = {}  # a second worker pulling the same delta: served from the cache, nothing rebuilt
-  shards.pull(held[0], sh, other, base=(m, params))
+  rollout.pull_weights(held[0], sh, other, base=(m, params))
   assert reader.stats()["delta"]["builds"] == builds
   trainer.step_and_publish()
   trainer.step_and_publish()
@@ -103,13 +105,13 @@ def test_corrupted_base_is_caught_by_the_result_crc_and_pulled_in_full(server):
   reader, sh = ps.Client("127.0.0.1", server[0].port), _reader_shardings()
   trainer.step_and_publish()
   m0 = reader.manifest()
-  params, _ = shards.pull(m0, sh, {})
+  params, _ = rollout.pull_weights(m0, sh, {})
   w = np.asarray(params["w"]).copy()
   w.view(np.uint16)[5, 3] ^= 1  # one flipped bit in the worker's copy of v0 (a bad host, a lost delta, ...)
   bad = dict(params, w=jax.device_put(w, sh["w"]))
   trainer.step_and_publish()
   st = {}
-  got, _ = shards.pull(reader.manifest(), sh, {}, base=(m0, bad), stats=st)
+  got, _ = rollout.pull_weights(reader.manifest(), sh, {}, base=(m0, bad), stats=st)
   assert st["fallbacks"] == 1  # exactly the piece holding [5, 3], for the device slice holding it
   assert _same(got, trainer.published)
 

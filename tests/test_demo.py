@@ -7,9 +7,8 @@ import subprocess
 import pytest
 
 import data
-import ledger
-import plot
-import learner
+import train
+from tools import plot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,17 +31,17 @@ def test_demo_settings_do_not_depend_on_the_callers_environment():
 
 
 def test_pass_band_parsing_and_online_filter():
-  assert learner.parse_band("0,1") == (0.0, 1.0) and learner.parse_band("0.1,0.9") == (0.1, 0.9)
+  assert train.parse_band("0,1") == (0.0, 1.0) and train.parse_band("0.1,0.9") == (0.1, 0.9)
   for bad in ("", "0.5", "a,b", "0.6,0.4", "-0.1,1", "0,1.5"):  # refused at flag parsing (test_validation)
-    assert learner.parse_band(bad) is None, bad
+    assert train.parse_band(bad) is None, bad
   t = data.PassRateTracker()
   t.update("solved", [1.0] * 8)
   t.update("mixed", [1.0, 0.0] * 4)
   t.update("few", [1.0] * 2)  # under min_samples: not judged yet
   band = (0.0, 1.0)
-  assert not ledger.in_band(t, "solved", band, 8) and ledger.in_band(t, "mixed", band, 8)
-  assert ledger.in_band(t, "few", band, 8) and ledger.in_band(t, "unseen", band, 8)
-  assert ledger.in_band(t, "solved", None, 8)  # no band: everything is issued
+  assert not train.in_band(t, "solved", band, 8) and train.in_band(t, "mixed", band, 8)
+  assert train.in_band(t, "few", band, 8) and train.in_band(t, "unseen", band, 8)
+  assert train.in_band(t, "solved", None, 8)  # no band: everything is issued
 
 
 def test_stream_peek_is_what_will_be_issued_and_does_not_advance():

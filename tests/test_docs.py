@@ -1,5 +1,5 @@
 """docs/FLAGS.md (every flag of train.py, rollout.py and param_server.py, with default and help) is exactly what
-`python docs/flags_page.py` generates from the code, and every help states its default."""
+`python -m tools.flags_page` generates from the code, and every help states its default."""
 import os
 import subprocess
 import sys
@@ -8,7 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_flags_page_is_up_to_date():
-  r = subprocess.run([sys.executable, "docs/flags_page.py", "--check"], cwd=ROOT, capture_output=True, text=True,
+  r = subprocess.run([sys.executable, "-m", "tools.flags_page", "--check"], cwd=ROOT, capture_output=True, text=True,
                      timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   with open(os.path.join(ROOT, "docs", "FLAGS.md")) as f:

@@ -9,11 +9,11 @@ import time
 import jax
 import numpy as np
 
-import bench_faults
+from bench import faults as bench_faults
 import data
 import model
 import param_server as ps
-import shards
+import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,7 +73,7 @@ def test_worker_survives_a_poison_item_which_is_quarantined(tmp_path):
       time.sleep(0.05)
     port = int((tmp_path / "port").read_text())
     c = ps.Client(port=port, token=ps.read_token(str(tmp_path / "token")), timeout_s=10.0)
-    shards.publish([c], 0, params, dict(config=cfg.to_hf_dict(), sampling=dict(temperature=1.0, top_k=0, top_p=1.0,
+    train.publish_shards([c], 0, params, dict(config=cfg.to_hf_dict(), sampling=dict(temperature=1.0, top_k=0, top_p=1.0,
                                                                                max_new_tokens=4)))
     problems = data.make_task_problems("arithmetic", 3, difficulty=1, seed=0)
 
@@ -115,7 +115,7 @@ def test_worker_survives_a_poison_item_which_is_quarantined(tmp_path):
 
 
 def test_trainer_counts_a_quarantined_prompt_as_done_once():
-  import ledger
+  import train
   srv = ps.Server(ps.ServerConfig(token="t", max_failures=2)).start()
   try:
     c = ps.Client(port=srv.port, token="t", timeout_s=5.0)
@@ -124,7 +124,7 @@ def test_trainer_counts_a_quarantined_prompt_as_done_once():
       assert {x["id"] for x in c.get("prompts", 2)} == {"s0", "s1"}
       c.fail("prompts", ["s0"], "ValueError: prompt of 100 tokens exceeds max_prompt_len=32")
       c.requeue("prompts")  # s1 back (unfinished, not failed)
-    col = ledger.Collector(c, None, None, None, group_size=1, prefetch_steps=1, lease_s=0.2, wait_s=0.0,
+    col = train.Collector(c, None, None, None, group_size=1, prefetch_steps=1, lease_s=0.2, wait_s=0.0,
                            max_staleness=0, dynamic_sampling=False, band=None)
     col.issued = 2
     assert col.note_quarantined() == 1
@@ -148,7 +148,7 @@ def test_sigtermed_worker_hands_back_partial_rollouts_which_another_worker_conti
   middle of its groups and hands them back with their tokens so far; worker B continues them. Every group comes
   back exactly once, its greedy tokens equal one uninterrupted run's, log-probs within the fp32 alignment
   tolerance, and a continued group is tagged with its oldest token's version (v0; B holds v1)."""
-  import bench_preempt
+  from bench import preempt as bench_preempt
   # SIGTERM as soon as A has leased its second wave (polled every 5 ms): the wave decodes at least one chunk
   # before A sees the stop, and 512 greedy tokens take far longer than the poll.
   m = bench_preempt.scenario(str(tmp_path), d_model=64, n_layers=1, max_new_tokens=512, temperature=0.0,

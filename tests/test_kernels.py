@@ -10,7 +10,8 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import kernels
+import pallas_kernels as kernels
+from pallas_kernels import flash
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # Interpret-mode programs are large (every kernel ref access is a callback) and XLA:CPU spends most of the
@@ -96,7 +97,7 @@ def test_causal_reference_skips_blocks_above_the_diagonal_exactly(T):
   # T=128, 4 at T=300, uneven blocks); the unsplit T x T masked square is the definition it must keep.
   q, k, v, do = _qkv(jax.random.key(T), 2, T, T, 4, 2, 16, jnp.float32)
   seg = jnp.asarray(np.repeat([[1] * (T // 3) + [2] * (T - T // 3)], 2, 0), jnp.int32)
-  square = lambda q, k, v: kernels._attention_block(q, k, v, seg, seg, 0, 16 ** -0.5)  # noqa: E731
+  square = lambda q, k, v: flash._attention_block(q, k, v, seg, seg, 0, 16 ** -0.5)  # noqa: E731
   blocked = jax.jit(lambda *a: _value_and_grads(lambda q, k, v: kernels.attention_reference(q, k, v, seg), *a))
   for name, a, b in zip(("out", "dq", "dk", "dv"), blocked(q, k, v, do), _value_and_grads(square, q, k, v, do)):
     _assert_close(a, b, 1e-5, name)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-import benchutil
+from bench import util as benchutil
 import data
 import fake_gcloud
 from test_system import ROOT, kill_roles, steps_done, tiny_base

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import data
-import ledger
+import train
 import param_server as ps
-from ledger import RolloutLedger
+from train import RolloutLedger
 
 
 class _FakeQueue:
@@ -105,7 +105,7 @@ def collector(server, **kw):
               band=None)
   args.update(kw)
   encode = lambda p: [2] + [4 + ord(ch) % 20 for ch in p.prompt]  # noqa: E731
-  return c, ledger.Collector(c, data.PromptStream(problems, seed=0), data.PassRateTracker(), encode, **args)
+  return c, train.Collector(c, data.PromptStream(problems, seed=0), data.PassRateTracker(), encode, **args)
 
 
 def test_collect_skips_zero_variance_stale_and_malformed_and_acks_only_after_the_commit(server):

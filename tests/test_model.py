@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import kernels
+import pallas_kernels as kernels
 import model as M
 
 torch = pytest.importorskip("torch")

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import data
 import losses
 import model
-import learner
+import train
 from tests.test_train import CFG, groups
 
 
@@ -23,21 +23,21 @@ def _setup(lcfg, lr=1e-2, buckets=(16,), value_clip=0.0, seed=0):
   value = (dict(w=0.05 * jax.random.normal(jax.random.PRNGKey(1), (CFG.d_model,)), b=jnp.zeros(()))
            if lcfg.advantage == "gae" else None)
   params = dict(policy=policy, value=value)
-  opt = learner.make_optimizer(lr, 1, 10, 0.0, 1.0)
+  opt = train.make_optimizer(lr, 1, 10, 0.0, 1.0)
   opt_state = jax.tree.map(jnp.copy, opt.init(params))
-  fn = lambda p, r, b: learner.rl_loss(p, r, b, cfg=CFG, lcfg=lcfg, temperature=1.0,  # noqa: E731
+  fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=CFG, lcfg=lcfg, temperature=1.0,  # noqa: E731
                                      compute_dtype=jnp.float32, attn_impl="ref", value_coef=0.5,
                                      value_clip=value_clip)
-  prox = lambda p, b: learner.proximal(p, b, cfg=CFG, temperature=1.0, compute_dtype=jnp.float32,  # noqa: E731
+  prox = lambda p, b: train.proximal(p, b, cfg=CFG, temperature=1.0, compute_dtype=jnp.float32,  # noqa: E731
                                      attn_impl="ref")
-  batch, _, _ = learner.rl_batch(groups(seed=seed), lcfg, 0, buckets, 8)
-  return params, opt_state, opt, fn, prox, learner.to_global(batch, NamedSharding(m, P(("data", "fsdp"))))
+  batch, _, _ = train.rl_batch(groups(seed=seed), lcfg, 0, buckets, 8)
+  return params, opt_state, opt, fn, prox, train.to_global(batch, NamedSharding(m, P(("data", "fsdp"))))
 
 
 def test_one_epoch_one_minibatch_is_the_plain_update():
   lcfg = dataclasses.replace(losses.ALGORITHMS["grpo"], kl_coef=0.0)
   params, opt_state, opt, fn, prox, gb = _setup(lcfg)
-  step = jax.jit(learner.make_train_step(opt, fn, 1, epochs=1, minibatches=1, prox_fn=prox))
+  step = jax.jit(train.make_train_step(opt, fn, 1, epochs=1, minibatches=1, prox_fn=prox))
   new, _, m = step(params, opt_state, None, gb)
   (loss, _), g = jax.value_and_grad(fn, has_aux=True)(params, None, gb)
   upd, _ = opt.update(g, opt_state, params)
@@ -56,13 +56,13 @@ def test_two_epochs_clip_with_a_fixed_proximal_policy():
   # The proximal log-probs are a fresh forward of the step's starting weights, bit for bit.
   lp_prox = jax.jit(prox)(params, gb)["prox_logp"]
   # (both jitted, as the trainer runs them: eager op-by-op execution fuses differently and may move the last bit)
-  lp_fresh = jax.jit(lambda p, b: learner.policy_logp(p, b, cfg=CFG, temperature=1.0, compute_dtype=jnp.float32,
+  lp_fresh = jax.jit(lambda p, b: train.policy_logp(p, b, cfg=CFG, temperature=1.0, compute_dtype=jnp.float32,
                                                     attn_impl="ref")[0])(params, gb)
   np.testing.assert_array_equal(np.asarray(lp_prox), np.asarray(lp_fresh))
-  one = jax.jit(learner.make_train_step(opt, fn, 1, epochs=1, minibatches=2, prox_fn=prox))
+  one = jax.jit(train.make_train_step(opt, fn, 1, epochs=1, minibatches=2, prox_fn=prox))
   _, _, m1 = one(params, opt_state, None, gb)
   assert float(m1["ratio_min"]) != 1.0 or float(m1["ratio_max"]) != 1.0  # 2nd minibatch: weights have moved
-  two = jax.jit(learner.make_train_step(opt, fn, 1, epochs=2, minibatches=1, prox_fn=prox))
+  two = jax.jit(train.make_train_step(opt, fn, 1, epochs=2, minibatches=1, prox_fn=prox))
   _, _, m = two(params, opt_state, None, gb)
   # Epoch 1 starts at the proximal policy: ratio exactly 1, nothing clipped; epoch 2 after a large step clips.
   assert float(m["ratio_max_last"]) != 1.0 and float(m["ratio_min_last"]) != 1.0
@@ -75,7 +75,7 @@ def test_value_clip_with_one_update_is_the_plain_update():
   lcfg = dataclasses.replace(losses.ALGORITHMS["ppo"], kl_coef=0.0)
   params, opt_state, opt, fn0, prox, gb = _setup(lcfg)
   fn1 = _setup(lcfg, value_clip=0.2)[3]
-  steps = [learner.make_train_step(opt, f, 1, prox_fn=prox) for f in (fn0, fn1)]
+  steps = [train.make_train_step(opt, f, 1, prox_fn=prox) for f in (fn0, fn1)]
   # Both steps in one jit: one compile instead of two, so the test stays short.
   (p0, _, m0), (p1, _, m1) = jax.jit(lambda *a: [s(*a) for s in steps])(params, opt_state, None, gb)
   assert float(m1["value_clip_frac"]) == 0 and "value_clip_frac" not in m0
@@ -94,7 +94,7 @@ def test_two_epochs_value_clip_against_fixed_old_values():
     loss, m = fn(p, r, b)
     return loss, dict(m, old_values_err=jnp.abs(b["old_values"] - v_old).max(),
                       value_loss_0=fn0(p, r, b)[1]["value_loss"])
-  new, _, m = jax.jit(learner.make_train_step(opt, seen, 1, epochs=2, prox_fn=prox))(params, opt_state, None, gb)
+  new, _, m = jax.jit(train.make_train_step(opt, seen, 1, epochs=2, prox_fn=prox))(params, opt_state, None, gb)
   # The mean over both updates is 0 only if each is: the second update's V_old is the pre-step one, not
   # recomputed at its weights (which moved the values by more than the clip).
   assert float(m["old_values_err"]) < 1e-6
@@ -107,7 +107,7 @@ def test_two_epochs_value_clip_against_fixed_old_values():
 
 
 def test_dr_grpo_normaliser_is_the_generation_budget_not_the_bucket():
-  lcfg = learner.loss_config(losses.ALGORITHMS["dr_grpo"], [], max_new_tokens=8)
+  lcfg = train.loss_config(losses.ALGORITHMS["dr_grpo"], [], max_new_tokens=8)
   assert lcfg.max_tokens == 8
   loss = {}
   for cfg_, name in ((lcfg, "budget"), (losses.ALGORITHMS["dr_grpo"], "bucket")):
@@ -122,6 +122,6 @@ def test_one_dynamic_sampling_criterion():
   for r, want in (([1, 1, 1], False), ([0, 1e-9], False), ([0, 1, 0], True), ([], False), ([0.5, 0.4], True)):
     assert data.group_has_signal(r) is want
     assert (data.dynamic_sampling_filter([r]) == [r]) is want
-  import ledger
-  src = open(ledger.__file__).read()
+  import train
+  src = open(train.__file__).read()
   assert "data.group_has_signal(r.rewards)" in src and "np.std(" not in src

@@ -11,7 +11,9 @@ import pytest
 
 import model
 import param_server as ps
-import shards
+import train
+import rollout
+import param_server
 from multiproc_helper import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +65,7 @@ def _pull_and_check(addr, version, want):
   cfg = model.Config.from_hf_dict(m["config"])
   total = sum(x.nbytes for x in jax.tree.leaves(want))
   for mesh in (model.make_mesh(1, 1, 2, devices=jax.devices()[:2]), model.make_mesh(1, 1, 1, devices=jax.devices()[3:4])):
-    got, pulled = shards.pull(m, model.param_shardings(cfg, mesh), {})
+    got, pulled = rollout.pull_weights(m, model.param_shardings(cfg, mesh), {})
     assert pulled == total  # each distinct slice its devices hold, once (TP=2 devices hold disjoint halves)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
       assert b.sharding.mesh == mesh
@@ -105,11 +107,11 @@ def test_sharded_pull_of_a_collected_version_is_a_clear_error(servers):
   mesh = model.make_mesh(1, 2, 1)
   cfg, p = tiny(0, mesh)
   for v in range(4):
-    shards.publish([c], v, p, dict(config=cfg.to_hf_dict(), sampling={}))
+    train.publish_shards([c], v, p, dict(config=cfg.to_hf_dict(), sampling={}))
   old = c.manifest()
   old["version"] = 0  # kept manifests are v2, v3: v0's pieces are gone
   with pytest.raises(ValueError, match="not held here"):
-    shards.pull(old, model.param_shardings(cfg, mesh), {})
+    rollout.pull_weights(old, model.param_shardings(cfg, mesh), {})
   assert c.staged()["versions"] == [2, 3]
 
 
@@ -136,8 +138,8 @@ def test_kill_during_async_checkpoint_leaves_the_previous_one_valid(tmp_path):
   script = f"""
 import os, signal, sys
 sys.path.insert(0, {ROOT!r})
-import jax, jax.numpy as jnp, learner
-c = learner.Checkpointer({d!r}, keep=3)
+import jax, jax.numpy as jnp, train
+c = train.Checkpointer({d!r}, keep=3)
 big = dict(w=jnp.ones((4096, 4096)), b=jnp.zeros((8,)))  # 64 MiB: the write is still in flight below
 c.save(1, big, dict(m=big["b"]), dict(step=1)); c.wait()
 c.save(2, jax.tree.map(lambda x: x + 1, big), dict(m=big["b"] + 1), dict(step=2))
@@ -146,9 +148,9 @@ os.kill(os.getpid(), signal.SIGKILL)
   p = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT)
   assert p.returncode == -9
   import jax.numpy as jnp
-  import learner
+  import train
   like = dict(w=jnp.zeros((4096, 4096)), b=jnp.ones((8,)))
-  params, opt, st = learner.Checkpointer(d, keep=3).restore(like, dict(m=like["b"]))
+  params, opt, st = train.Checkpointer(d, keep=3).restore(like, dict(m=like["b"]))
   assert st == dict(step=1) and float(params["w"][7, 7]) == 1.0 and float(opt["m"][0]) == 0.0
 
 
@@ -156,7 +158,7 @@ def test_streamed_hf_export_equals_the_reference_writer(tmp_path):
   import safetensors.numpy
   cfg, p = tiny(3, model.make_mesh(1, 2, 1))
   model.save_hf_checkpoint(str(tmp_path / "ref"), cfg, p)
-  flat = shards.flat_leaves(p)
+  flat = param_server.flatten(p)
   held = []
 
   def get_leaf(key):

@@ -15,12 +15,12 @@ import time
 
 import jax
 
-import benchutil
+from bench import util as benchutil
 import data
 import model
 import param_server as ps
-import plot
-import learner
+from tools import plot
+import train
 
 ROOT = benchutil.ROOT
 STEPS = 48  # the last kill (server) lands at step >= 34 with the workers paused: the run still has steps to go
@@ -230,7 +230,7 @@ def check_exactly_once(run, steps):
   assert len(trained) == len(set(trained)) == steps * 2, "a rollout was trained twice in the final lineage"
   skipped = [rid for s in sorted(skipped) for rid in skipped[s]]
 
-  state = learner.read_state(os.path.join(run, "ckpt"))
+  state = train.read_state(os.path.join(run, "ckpt"))
   assert state["step"] == steps
   # Exactly once: consumed = trained + skipped (stale / zero-variance), disjoint, nothing consumed untrained.
   # The checkpoint keeps a bounded record (count + the newest generations); the metrics log has every id.

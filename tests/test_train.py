@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import benchutil
+from bench import util as benchutil
 import data
 import losses
 import model
-import learner
+import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = model.Config(vocab_size=32, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, ffw_dim=64,
@@ -41,14 +41,14 @@ def setup(lcfg, mesh=(1, 1, 1), grad_accum=1):
   policy = model.shard_params(model.init_params(CFG, jax.random.PRNGKey(0)), CFG, m)
   value = dict(w=jnp.zeros((CFG.d_model,)), b=jnp.zeros(())) if lcfg.advantage == "gae" else None
   params = dict(policy=policy, value=value)
-  opt = learner.make_optimizer(1e-2, 1, 10, 0.0, 1.0)
+  opt = train.make_optimizer(1e-2, 1, 10, 0.0, 1.0)
   opt_state = jax.tree.map(jnp.copy, opt.init(params))
   ref = jax.tree.map(lambda x: jnp.array(x, copy=True), policy) if lcfg.kl_coef > 0 else None
-  fn = lambda p, r, b: learner.rl_loss(p, r, b, cfg=CFG, lcfg=lcfg, temperature=1.0,  # noqa: E731
+  fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=CFG, lcfg=lcfg, temperature=1.0,  # noqa: E731
                                      compute_dtype=jnp.float32, attn_impl="ref", value_coef=0.5)
-  step = jax.jit(learner.make_train_step(opt, fn, grad_accum))
-  batch, _, _ = learner.rl_batch(groups(), lcfg, 0, (16,), 8)
-  return params, opt_state, ref, step, learner.to_global(batch, NamedSharding(m, P(("data", "fsdp")))), batch
+  step = jax.jit(train.make_train_step(opt, fn, grad_accum))
+  batch, _, _ = train.rl_batch(groups(), lcfg, 0, (16,), 8)
+  return params, opt_state, ref, step, train.to_global(batch, NamedSharding(m, P(("data", "fsdp")))), batch
 
 
 @pytest.mark.parametrize("algo", sorted(losses.ALGORITHMS))
@@ -66,7 +66,7 @@ def test_every_algorithm_takes_a_finite_step(algo):
 def test_batch_alignment_and_overlong_shaping():
   lcfg = losses.ALGORITHMS["dapo"]
   g = groups()
-  batch, rewards, lengths = learner.rl_batch(g, lcfg, 0, (16,), max_new_tokens=5)
+  batch, rewards, lengths = train.rl_batch(g, lcfg, 0, (16,), max_new_tokens=5)
   i = 0
   for grp in g:
     p = len(grp.prompt_tokens)
@@ -83,12 +83,12 @@ def test_batch_alignment_and_overlong_shaping():
 def test_grad_accumulation_averages_micro_batch_gradients():
   lcfg = dataclasses.replace(losses.ALGORITHMS["grpo"], kl_coef=0.0)
   p0, o0, _, s2, gb, _ = setup(lcfg, grad_accum=2)
-  fn = lambda p, bb: learner.rl_loss(p, None, bb, cfg=CFG, lcfg=lcfg, temperature=1.0, compute_dtype=jnp.float32,
+  fn = lambda p, bb: train.rl_loss(p, None, bb, cfg=CFG, lcfg=lcfg, temperature=1.0, compute_dtype=jnp.float32,
                                    attn_impl="ref", value_coef=0.5)[0]
   half = jax.tree.map(lambda x: x.reshape(2, x.shape[0] // 2, *x.shape[1:]), gb)
   grads = [jax.grad(fn)(p0, jax.tree.map(lambda x, i=i: x[i], half)) for i in range(2)]
   g = jax.tree.map(lambda a, b: (a + b) / 2, *grads)
-  opt = learner.make_optimizer(1e-2, 1, 10, 0.0, 1.0)
+  opt = train.make_optimizer(1e-2, 1, 10, 0.0, 1.0)
   upd, _ = opt.update(g, o0, p0)
   want = jax.tree.map(lambda p, u: p + u, p0, upd)
   got, _, m = s2(p0, o0, None, gb)
@@ -104,7 +104,7 @@ def test_remat_and_chunked_logprobs_equal_the_plain_loss_with_less_memory():
   params, _, ref, _, _, batch = setup(lcfg)
 
   def loss(remat, chunk, cfg=CFG, p=params, r=ref, b=batch):
-    return lambda p: learner.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0, compute_dtype=jnp.float32,
+    return lambda p: train.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0, compute_dtype=jnp.float32,
                                    attn_impl="ref", value_coef=0.5, remat=remat, logprob_chunk=chunk)
   (l0, m0), g0 = jax.value_and_grad(loss(False, 0), has_aux=True)(params)
   (l1, m1), g1 = jax.value_and_grad(loss(True, 5), has_aux=True)(params)
@@ -142,27 +142,27 @@ def test_checkpoint_roundtrip_is_exact_and_restores_onto_another_mesh(tmp_path):
   params, opt_state, _ = step(params, opt_state, ref, gb)
   state = dict(step=3, seq=7, consumed=dict(count=2, gens=[["s0", "s1"]]))
   d = str(tmp_path / "ckpt")
-  c = learner.Checkpointer(d, keep=2)
+  c = train.Checkpointer(d, keep=2)
   for s in (1, 2, 3):
     assert c.save(s, params, opt_state, dict(state, step=s))
   assert not c.save(3, params, opt_state, state)  # a step already saved is not written twice
   c.wait()
   c.close()
   assert sorted(x for x in os.listdir(d) if x.isdigit()) == ["2", "3"]  # bounded
-  assert learner.read_state(d) == state
+  assert train.read_state(d) == state
   like_p, like_o, *_ = setup(lcfg, (1, 1, 2))  # another mesh: fsdp 4 x tensor 2 -> tensor 2
-  p2, o2, st = learner.Checkpointer(d, keep=2).restore(like_p, like_o)
+  p2, o2, st = train.Checkpointer(d, keep=2).restore(like_p, like_o)
   assert st == state and jax.tree.leaves(p2)[0].sharding == jax.tree.leaves(like_p)[0].sharding
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), (params, opt_state), (p2, o2))
 
 
 def test_loss_overrides_are_typed_and_validated():
   base = losses.ALGORITHMS["grpo"]
-  o = learner.parse_overrides(["kl_coef=0.0", "eps_high=0.28", "tis_cap=2", "agg=token_mean"], base)
+  o = train.parse_overrides(["kl_coef=0.0", "eps_high=0.28", "tis_cap=2", "agg=token_mean"], base)
   assert o == dict(kl_coef=0.0, eps_high=0.28, tis_cap=2.0, agg="token_mean")
   dataclasses.replace(base, **o)
   with pytest.raises(ValueError, match="bad --loss_override"):
-    learner.parse_overrides(["nope=1"], base)
+    train.parse_overrides(["nope=1"], base)
 
 
 def _sft(run_dir, tok_path, extra=()):
@@ -209,25 +209,25 @@ def test_sft_teacher_slips_only_the_last_digit_at_its_rate():
   import data
   probs = data.make_task_problems("arithmetic", 2000, difficulty=2, seed=0, ops="+")
   rng = random.Random(0)
-  outs = [learner.teacher_completion(p, 0.9, rng) for p in probs]
+  outs = [train.teacher_completion(p, 0.9, rng) for p in probs]
   slipped = [o != p.answer for o, p in zip(outs, probs)]
   assert 0.87 < np.mean(slipped) < 0.93
   for o, p, s in zip(outs, probs, slipped):
     assert o[:-1] == p.answer[:-1] and len(o) == len(p.answer)
     assert int(o[-1]) == (int(p.answer[-1]) + s) % 10
-  assert all(learner.teacher_completion(p, 0.0, rng) == p.answer for p in probs[:100])
-  assert learner.teacher_completion(data.Problem("x", "1+8=", "9", "arithmetic"), 0.999999, random.Random(1)) == "0"
+  assert all(train.teacher_completion(p, 0.0, rng) == p.answer for p in probs[:100])
+  assert train.teacher_completion(data.Problem("x", "1+8=", "9", "arithmetic"), 0.999999, random.Random(1)) == "0"
 
 
 def test_hostmem_tune_stops_fresh_pages_in_every_step():
-  """hostmem.tune(), which train.py and rollout.py call first: a jitted step with a 64 MB intermediate reuses its
+  """common.tune_malloc(), which train.py and rollout.py call first: a jitted step with a 64 MB intermediate reuses its
   freed buffers instead of faulting fresh pages in every call (glibc's defaults: ~30k minor faults per call)."""
   code = """if True:
     import resource, sys
     import jax, jax.numpy as jnp
-    import hostmem
+    import common
     if sys.argv[1] == "tuned":
-      assert hostmem.tune()
+      assert common.tune_malloc()
     f = jax.jit(lambda x, w: jnp.tanh(x @ w) @ w.T)  # the [16384,1024] fp32 product is a 64 MB temporary
     x, w = jnp.ones((16384, 256)), jnp.ones((256, 1024)) / 256
     faults = []

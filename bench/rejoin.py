@@ -20,17 +20,17 @@ import jax
 import numpy as np
 from absl import app, flags
 
-import benchutil
+from bench import util as benchutil
 import data
 import model
 import param_server as ps
-import shards
+import train
 
 flags.DEFINE_integer("reps", 3, "Interleaved rounds (count, default 3).")
 flags.DEFINE_string("model_config", "d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,ffw_dim=512",
                     "Policy shape (train.py's SFT base shape by default).")
 FLAGS = flags.FLAGS
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def setup(tmp):
@@ -86,7 +86,7 @@ def main(argv):
     open(token_file, "w").write("t\n")
     srv = ps.Server(ps.ServerConfig(port=0, token="t")).start()
     client = ps.Client("127.0.0.1", srv.port, token="t")
-    shards.publish([client], 0, params, meta)
+    train.publish_shards([client], 0, params, meta)
     problems = data.make_task_problems("arithmetic", 8, 2, seed=0, split="train", ops="+")
     cache = os.path.join(tmp, "jax_cache")
     one_rejoin(client, srv.port, token_file, tok_path, tok, problems, cache, "fill")  # the worker before the restart

@@ -4,7 +4,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def child_env():
@@ -14,15 +14,15 @@ def child_env():
   return env
 
 
-def start_server(port_file, *flags, script="param_server.py", log=None, **popen):
-  """Starts `python SCRIPT --port_file=PORT_FILE *FLAGS` in ROOT (output appended to `log` if given; more Popen
+def start_server(port_file, *flags, script=("param_server.py",), log=None, **popen):
+  """Starts `python *SCRIPT --port_file=PORT_FILE *FLAGS` in ROOT (output appended to `log` if given; more Popen
   arguments in popen) and waits until it has written its port there; returns (process, port). Kills it and
   raises RuntimeError if it exits first or has not written the port within 30 s."""
   if os.path.exists(port_file):
     os.remove(port_file)
   if log:
     popen["stdout"] = popen["stderr"] = open(log, "ab")
-  p = subprocess.Popen([sys.executable, os.path.join(ROOT, script), f"--port_file={port_file}", *flags], cwd=ROOT,
+  p = subprocess.Popen([sys.executable, *script, f"--port_file={port_file}", *flags], cwd=ROOT,
                        **popen)
   t0 = time.monotonic()
   while not os.path.exists(port_file):

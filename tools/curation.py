@@ -16,9 +16,9 @@ import os
 import subprocess
 import sys
 
-import plot
+from tools import plot
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def demo_eval_flags():

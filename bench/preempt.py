@@ -27,14 +27,14 @@ import time
 import jax
 import numpy as np
 
-import benchutil
+from bench import util as benchutil
 import data
 import model
 import param_server as ps
 import rollout
-import shards
+import train
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def scenario(workdir, *, d_model=128, n_layers=2, max_new_tokens=256, temperature=1.0, n_groups=6, group_size=2,
@@ -87,7 +87,7 @@ def scenario(workdir, *, d_model=128, n_layers=2, max_new_tokens=256, temperatur
     return p
 
   try:
-    shards.publish([c], 0, params, meta)
+    train.publish_shards([c], 0, params, meta)
     c.put("prompts", items)
     a = worker("A")
     # Poll the lease of A's second wave tightly (a 0.2 s poll could miss the whole wave of a small model). A
@@ -101,7 +101,7 @@ def scenario(workdir, *, d_model=128, n_layers=2, max_new_tokens=256, temperatur
     time.sleep(preempt_delay_s)
     a.send_signal(signal.SIGTERM)  # a TPU preemption notice: A is in the middle of its second wave
     assert a.wait(timeout=120) == 0, f"worker A exited with rc={a.returncode}"
-    shards.publish([c], 1, params, meta)  # B pulls v1: its own tokens carry v1, A's keep v0
+    train.publish_shards([c], 1, params, meta)  # B pulls v1: its own tokens carry v1, A's keep v0
     b, t0 = worker("B"), time.time()
     while len(got) < n_groups:
       assert b.poll() is None, f"all groups: the worker exited (rc={b.returncode}), see {workdir}"

@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags
 
-import benchutil
+from bench import util as benchutil
 import param_server as ps
 
 flags.DEFINE_integer("size_mb", 1024, "Size of the weight set (MiB, default 1024).")

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-import benchutil
+from bench import util as benchutil
 import param_server as ps
 
 TOKEN = "bench-faults-token"
@@ -103,7 +103,7 @@ def serve_main(args):
 
 def _start_fault_server(run_dir, faults=""):
   return benchutil.start_server(run_dir + ".port", "--serve", f"--run_dir={run_dir}", f"--faults={faults}",
-                                script=os.path.basename(__file__), log=run_dir + ".log")
+                                script=("-m", "bench.faults"), log=run_dir + ".log")
 
 
 def _item(i):

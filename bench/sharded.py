@@ -30,9 +30,9 @@ import sys
 import tempfile
 import time
 
-import benchutil
+from bench import util as benchutil
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
@@ -61,8 +61,8 @@ def trainer(a, n, i, port, servers, ckpt_dir):
   import jax
   import jax.numpy as jnp
   import model
-  import shards
-  import learner
+  import param_server
+  import train
   from multiproc_helper import init, tiny
   init(n, i, port)
   mesh = model.make_mesh(1, jax.device_count(), 1)
@@ -71,27 +71,27 @@ def trainer(a, n, i, port, servers, ckpt_dir):
   jax.block_until_ready(params)
   full = sum(x.nbytes for x in jax.tree.leaves(params))
   own = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
-  clients = [shards.connect(s, token="t") for s in servers]
+  clients = [param_server.connect(s, token="t") for s in servers]
   rec = dict(process=i, full_model_mb=full / 2**20, own_shards_mb=own / 2**20, times={})
   meta = dict(config=cfg.to_hf_dict(), sampling={})
   base = reset_peak()
-  version, _ = shards.publish(clients, 0, params, meta)  # warm-up
+  version, _ = train.publish_shards(clients, 0, params, meta)  # warm-up
   rec["first_publish_rss_growth_mb"] = rss_mb("VmHWM") - base  # incl. one-time allocations (gloo, threads)
   for S in (1, 2, 4):
     ts = []
     for _ in range(a.versions):
       base = reset_peak()
       t = time.perf_counter()
-      version, sent = shards.publish(clients[:S], version + 1, params, meta)
+      version, sent = train.publish_shards(clients[:S], version + 1, params, meta)
       ts.append(time.perf_counter() - t)
       rec["publish_rss_growth_mb"] = max(rec.get("publish_rss_growth_mb", 0), rss_mb("VmHWM") - base)
     rec["times"][S] = statistics.median(ts)
     rec["sent_mb"] = sent / 2**20
-  opt = learner.make_optimizer(1e-3, 1, 10, 0.0, 1.0)
+  opt = train.make_optimizer(1e-3, 1, 10, 0.0, 1.0)
   opt_state = jax.tree.map(jnp.copy, opt.init(params))
   jax.block_until_ready(opt_state)
   rec["full_state_mb"] = 3 * rec["full_model_mb"]
-  c = learner.Checkpointer(ckpt_dir, keep=1)
+  c = train.Checkpointer(ckpt_dir, keep=1)
   base = reset_peak()
   t = time.perf_counter()
   c.save(1, params, opt_state, dict(step=1))
@@ -125,8 +125,8 @@ def main():
     port, n = _free_port(), 4
     tenv = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     args = [f"--d_model={a.d_model}", f"--n_layers={a.n_layers}", f"--vocab={a.vocab}", f"--versions={a.versions}"]
-    procs = [subprocess.Popen([sys.executable, __file__, *args, "--trainer", str(n), str(i), str(port), ",".join(addrs),
-                               os.path.join(tmp, "ckpt")], env=tenv, stdout=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.sharded", *args, "--trainer", str(n), str(i), str(port), ",".join(addrs),
+                               os.path.join(tmp, "ckpt")], env=tenv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
              for i in range(n)]
     recs = []
     for p in procs:
@@ -161,7 +161,7 @@ def main():
 WORKER = """
 import json, sys, time
 sys.path.insert(0, "tests")
-import jax, numpy as np, model, param_server as ps, shards
+import jax, numpy as np, model, param_server as ps, rollout
 from multiproc_helper import values
 c = ps.Client(*sys.argv[1].split(":")[:1], int(sys.argv[1].split(":")[1]))
 m = c.manifest()
@@ -169,7 +169,7 @@ cfg = model.Config.from_hf_dict(json.loads(sys.argv[2]))
 mesh = model.make_mesh(1, 1, 2)
 sh = model.param_shardings(cfg, mesh)
 t = time.perf_counter()
-got, pulled = shards.pull(m, sh, {})
+got, pulled = rollout.pull_weights(m, sh, {})
 jax.block_until_ready(got)
 dt = time.perf_counter() - t
 ok = all(np.array_equal(np.asarray(s.data), values(x.shape, s.index, 0))
@@ -206,7 +206,9 @@ def delta_bench(a):
   import numpy as np
   import optax
   import model
-  import shards
+  import train
+  import rollout
+  import param_server
   with start_servers(1, "bench_delta_") as (_, addrs):
     cfg = model.Config.from_hf_dict(cfg_hf(a))
     params = model.init_params(cfg, jax.random.PRNGKey(0))
@@ -224,11 +226,11 @@ def delta_bench(a):
       return optax.apply_updates(params, upd), opt_state
 
     to_bf16 = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p))
-    trainer = [shards.connect(addrs[0], token="t")]
+    trainer = [param_server.connect(addrs[0], token="t")]
     meta = dict(config=cfg.to_hf_dict(), sampling={})
     held = {"full": None, "delta": None, "delta2": None}  # worker -> (manifest, params) it holds
     clients = {w: {} for w in held}
-    reader = shards.connect(addrs[0])
+    reader = param_server.connect(addrs[0])
     rows = []
     print(f"model: {n_params / 1e6:.0f}M params, published as bf16 ({2 * n_params / 2**20:.0f} MiB); Adam lr "
           f"{a.lr:g} on random tokens (batch 2 x {a.seq}); 1 param_server.py process, loopback; 2-core CPU box")
@@ -241,19 +243,19 @@ def delta_bench(a):
         train_s = time.perf_counter() - t
       pub = to_bf16(params)
       t = time.perf_counter()
-      shards.publish(trainer, v, pub, meta)
+      train.publish_shards(trainer, v, pub, meta)
       publish_s = time.perf_counter() - t
       m = reader.manifest(newer_than=v - 1)
       sh = jax.tree.map(lambda x: x.sharding, pub)
-      want = {k: np.asarray(x).view(np.uint8) for k, x in shards.flat_leaves(pub).items()}
+      want = {k: np.asarray(x).view(np.uint8) for k, x in param_server.flatten(pub).items()}
       row = dict(version=v)
       for w in held:
         st = {}
         t = time.perf_counter()
-        got, nbytes = shards.pull(m, sh, clients[w], base=None if w == "full" else held[w], stats=st)
+        got, nbytes = rollout.pull_weights(m, sh, clients[w], base=None if w == "full" else held[w], stats=st)
         jax.block_until_ready(got)
         row[w] = dict(s=time.perf_counter() - t, **st)
-        if not all(np.array_equal(np.asarray(x).view(np.uint8), want[k]) for k, x in shards.flat_leaves(got).items()):
+        if not all(np.array_equal(np.asarray(x).view(np.uint8), want[k]) for k, x in param_server.flatten(got).items()):
           raise AssertionError(f"worker {w}: v{v} is not bit-identical to the published weights")
         held[w] = (m, got)
       rows.append(row)

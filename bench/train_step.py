@@ -5,10 +5,10 @@ What is measured, in one run:
          first, taken before and again after the training steps (best of both, as the load on a shared box
          moves): the ceiling XLA's CPU backend reaches on this box.  Also timed: the model's largest matmul
          shape ([B*T,D] x [D,F], the MLP up-projection) as the ceiling for matmuls of this size.
-  step   learner.make_train_step(learner.make_optimizer(...), learner.rl_loss, grad_accum=1) jitted with donated
+  step   train.make_train_step(train.make_optimizer(...), train.rl_loss, grad_accum=1) jitted with donated
          params/optimizer state exactly as train.run_rl builds it, in --param_dtype (fp32 by default), on one
          device, losses.ALGORITHMS [--algo] (GRPO by default; --kl_coef > 0 adds the frozen reference forward, as
-         the trainer does) on a synthetic batch from learner.rl_batch: B/G groups of G completions, prompts of T/2
+         the trainer does) on a synthetic batch from train.rl_batch: B/G groups of G completions, prompts of T/2
          and completions of T/2 random tokens, so every row is exactly T tokens (no padding).  Compile is
          excluded (one warm-up step, reported as compile_s); best and median of --steps steps, each ended by a
          host sync on its outputs.
@@ -22,12 +22,12 @@ achieved FLOP/s = model FLOPs / best step time; fraction = achieved / measured p
   torch  the same step in PyTorch eager (torch_reference: transformers' Qwen2 on the same weights, reference
          forward, PPO-clip + k3 KL, seq-mean-token-mean, clip 1.0, AdamW) at each --torch_threads count, timed
          after ours; speed_vs_torch = its best time / ours (> 1: ours faster). Needs requirements-dev.txt.
-  faults minor page faults per timed step, each side. The process runs with hostmem.tune() as train.py does
+  faults minor page faults per timed step, each side. The process runs with common.tune_malloc() as train.py does
          (--host_malloc=default: glibc's own settings, for both sides; the A/B of hostmem.py).
 
   python bench_train.py                                  # defaults: D=256, L=4, V=2048, B=16, T=128
   python bench_train.py --batch=32 --seq_len=256 --json=train.json
-  python bench_train.py --host_malloc=default          # the same without hostmem.tune() (its A/B)
+  python bench_train.py --host_malloc=default          # the same without common.tune_malloc() (its A/B)
   python bench_train.py --quick                          # tiny smoke run (tests/test_bench.py)
   python bench_train.py --exact_ab=3 [--param_dtype=bfloat16]   # what exact mode (--exact_logprobs) costs, A/B
   python bench_train.py --d_model=512 --n_layers=8 --vocab=32000 --batch=2 --group_size=2 --memory_seq_lens=1024,4096,8192
@@ -49,13 +49,14 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-import bench_decode  # random_params, the shape flags
+import common
 import data
-import hostmem
-import kernels
+
+import pallas_kernels as kernels
 import losses
 import model
-import learner
+import train
+from bench import decode as bench_decode  # random_params, the shape flags
 
 
 def parse_args(argv=None):
@@ -82,7 +83,7 @@ def parse_args(argv=None):
   p.add_argument("--torch_threads", default=None, help="comma-separated torch thread counts to time the "
                  "PyTorch reference step at (threads); default 1 and os.cpu_count(); 0 = skip the reference")
   p.add_argument("--host_malloc", default="tuned", choices=("tuned", "default"), help="glibc malloc of this "
-                 "process (both sides): tuned = hostmem.tune() as train.py runs, default = glibc's (A/B); "
+                 "process (both sides): tuned = common.tune_malloc() as train.py runs, default = glibc's (A/B); "
                  "--quick keeps glibc's: it runs inside pytest, whose process stays untuned (tests/conftest.py)")
   p.add_argument("--param_dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype of the "
                  "step (train.py's --param_dtype; master weights stay fp32)")
@@ -251,13 +252,13 @@ def memory_table(a, cfg, lcfg, optimizer, params, opt_state, ref_params, n_param
   print(f"{'T':>6} {'plain':>9} {'remat':>9} {'chunk ' + str(a.logprob_chunk):>11} {'both':>9}  plain/both")
   for T in (int(x) for x in a.memory_seq_lens.split(",")):
     batch = {k: jax.ShapeDtypeStruct((a.batch,) if k == "advantages" else (a.batch, T), dt)
-             for k, dt in learner.BATCH_KEYS.items()}
+             for k, dt in train.BATCH_KEYS.items()}
     per = []
     for remat, chunk in ((False, 0), (True, 0), (False, a.logprob_chunk), (True, a.logprob_chunk)):
-      fn = lambda p, r, b, remat=remat, chunk=chunk: learner.rl_loss(  # noqa: E731
+      fn = lambda p, r, b, remat=remat, chunk=chunk: train.rl_loss(  # noqa: E731
           p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0, compute_dtype=jnp.float32, attn_impl="auto",
           value_coef=0.5, remat=remat, logprob_chunk=chunk)
-      step = jax.jit(learner.make_train_step(optimizer, fn, 1), donate_argnums=(0, 1))
+      step = jax.jit(train.make_train_step(optimizer, fn, 1), donate_argnums=(0, 1))
       mem = step.lower(params, opt_state, ref_params, batch).compile().memory_analysis()
       per.append(mem.temp_size_in_bytes / (a.batch * T))
     rows.append(dict(seq_len=T, temp_bytes_per_token=dict(zip(("plain", "remat", "chunk", "both"), per))))
@@ -281,7 +282,7 @@ def exact_ab(a, argv):
   out, side = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_train_ab_{os.getpid()}.json"), {}
   for r in range(a.exact_ab):
     for exact in (False, True):
-      cmd = [sys.executable, os.path.abspath(__file__), *argv, "--torch_threads=0",
+      cmd = [sys.executable, "-m", "bench.train_step", *argv, "--torch_threads=0",
              f"--json={out}"] + (["--exact_logprobs"] if exact else [])
       subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
       with open(out) as f:
@@ -308,7 +309,7 @@ def main(argv=None):
     return exact_ab(a, argv)
   if a.exact_logprobs:
     kernels.enable_exact_mode()  # before the first computation
-  tuned = a.host_malloc == "tuned" and hostmem.tune()  # before the first JAX computation, as train.main
+  tuned = a.host_malloc == "tuned" and common.tune_malloc()  # before the first JAX computation, as train.main
   rng = np.random.default_rng(a.seed)
   peak = matmul_flops_per_s(a.matmul_n, a.matmul_n, a.matmul_n, a.matmul_reps, a.seed)
 
@@ -323,18 +324,18 @@ def main(argv=None):
   policy_host = jax.device_get(policy)  # the PyTorch reference starts from these (ours are donated)
   n_params = sum(x.size for x in jax.tree.leaves(policy))
   params = dict(policy=policy, value=None)
-  optimizer = learner.make_optimizer(1e-4, 5, 100, 0.0, 1.0)
+  optimizer = train.make_optimizer(1e-4, 5, 100, 0.0, 1.0)
   # As in train.run_rl: copies make donation safe where optax shares buffers between state leaves.
   # Setup under jit: eagerly, every small op would compile on its own (seconds in all on a busy box).
   opt_state = jax.jit(lambda p: jax.tree.map(jnp.copy, optimizer.init(p)))(params)
   # The frozen reference in the compute dtype, as train.init_learner keeps it.
   ref_params = (jax.jit(lambda p: jax.tree.map(lambda x: jnp.array(x, a.param_dtype, copy=True), p))(policy)
                 if lcfg.kl_coef > 0 else None)
-  loss_fn = lambda p, r, b: learner.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0,  # noqa: E731
+  loss_fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0,  # noqa: E731
                                           compute_dtype=jnp.dtype(a.param_dtype), attn_impl="auto",
                                           value_coef=0.5)
-  step = jax.jit(learner.make_train_step(optimizer, loss_fn, 1), donate_argnums=(0, 1))
-  batch, _, _ = learner.rl_batch(synthetic_groups(a, rng), lcfg, 0, (T,), T // 2)
+  step = jax.jit(train.make_train_step(optimizer, loss_fn, 1), donate_argnums=(0, 1))
+  batch, _, _ = train.rl_batch(synthetic_groups(a, rng), lcfg, 0, (T,), T // 2)
   assert batch["tokens"].shape == (B, T), batch["tokens"].shape
   batch = jax.tree.map(jnp.asarray, batch)
 
@@ -362,7 +363,7 @@ def main(argv=None):
 
   step_flops = B * forward_flops_per_sequence(cfg, T) * (3 + (lcfg.kl_coef > 0))
   # Cross-check of the formula against the traced step (tracing only, no compile).
-  traced = jaxpr_matmul_flops(jax.make_jaxpr(learner.make_train_step(optimizer, loss_fn, 1))(
+  traced = jaxpr_matmul_flops(jax.make_jaxpr(train.make_train_step(optimizer, loss_fn, 1))(
       params, opt_state, ref_params, batch))
   best, med = min(times), statistics.median(times)
   res = dict(

@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import hostmem
+
+import common
 import model
 import rollout
 
@@ -291,6 +292,6 @@ def main_all(argv):
 if __name__ == "__main__":
   # As rollout.py's worker runs (the HF side shares the process and its malloc settings). Here, not in main():
   # tests call main() inside pytest, whose process stays on glibc's defaults (tests/conftest.py).
-  hostmem.tune()
+  common.tune_malloc()
   argv = sys.argv[1:]
   main_all(argv) if "--preset=all" in argv else main(argv)

@@ -1,6 +1,6 @@
 """plot.py: draws one RL run's curves to a PNG and checks, from its metrics, that no rollout was trained twice.
 
-  python plot.py RUN_DIR [--out=PATH]      (default PATH: RUN_DIR/curves.png; launch.sh local calls it at the end)
+  python -m tools.plot RUN_DIR [--out=PATH]      (default PATH: RUN_DIR/curves.png; launch.sh local calls it at the end)
 
 Reads RUN_DIR/metrics.jsonl (one line per trainer step; a step that was redone after a trainer restart appears
 again, and its last line is the one whose update survived), RUN_DIR/events.jsonl (launch.sh's chaos: when a role

@@ -1,0 +1,97 @@
+"""What the entry points share: atomic file writes, the flags train.py and rollout.py both define, and the malloc
+settings that let XLA on the host CPU reuse a step's buffers.
+
+  write_atomic(path, data, fsync=False)   temp file + rename: a reader, or a restart after a crash, sees the old
+                                          file or the whole new one, never a torn one
+  define_shared_flags(max_new_tokens)     called by train.py's and rollout.py's define_flags(): importing a module
+                                          defines no flag; docs/FLAGS.md lists them (python -m tools.flags_page)
+  tune_malloc()                           first thing in a process's main, before its first JAX computation
+"""
+import contextlib
+import ctypes
+import ctypes.util
+import os
+
+from absl import flags
+
+
+def fsync_dir(path):
+  fd = os.open(path or ".", os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def write_atomic(path, data, fsync=False, mode=0o666, tmp=None):
+  """Writes data (str as UTF-8, bytes, or an iterable of either) to tmp (default path.tmp), renamed onto path; a
+  failure before the rename removes tmp (not to hold disk space) and raises. fsync=True: fsync the file before the
+  rename, its directory after (else a power loss can undo it). mode: before the umask (0o666 is open()'s)."""
+  tmp = tmp or f"{path}.tmp"
+  chunks = [data] if isinstance(data, (str, bytes, bytearray, memoryview)) else data
+  try:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "wb") as f:
+      for c in chunks:
+        f.write(c.encode() if isinstance(c, str) else c)
+      if fsync:
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+  if fsync:
+    fsync_dir(os.path.dirname(path))
+
+
+def define_shared_flags(max_new_tokens):
+  """max_new_tokens: the entry point's default. The caller adopts these as its key flags (train's flags.json)."""
+  flags.DEFINE_string("server", "127.0.0.1:5555", "Parameter server host:port. Default 127.0.0.1:5555.")
+  flags.DEFINE_string("token_file", None, "File holding the server's shared secret (the trainer's push and the "
+                      "worker's lease/put need it). Default none.")
+  flags.DEFINE_string("tokenizer", None, "Tokenizer: sentencepiece .model or a dir with tokenizer.json. Required.")
+  flags.DEFINE_integer("seed", 0, "Seed: the trainer's data order and init; the worker's sampling (folded with the "
+                       "prompt id). Default 0.")
+  flags.DEFINE_string("template", "plain", "Prompt template (data.render_prompt): plain, chatml or hf (the "
+                      "checkpoint's own chat_template from --tokenizer's tokenizer_config.json). Default plain.")
+  flags.DEFINE_string("attn_impl", "auto", "Attention path: auto (Pallas on TPU), ref or pallas. Default auto.")
+  flags.DEFINE_integer("server_retries", 30, "Reconnect attempts (exponential backoff, max 2 s apart) before giving up "
+                       "on the server. Default 30.")
+  flags.DEFINE_integer("max_staleness", 4, "Max policy-version lag (versions) of a rollout: the trainer trains none "
+                       "older, a worker regenerates older groups. Default 4.")
+  # Sampling: the trainer's travel with the weights (it scores what workers sampled); rollout.py's are eval's.
+  flags.DEFINE_integer("max_new_tokens", max_new_tokens, "Completion budget in tokens (trainer: sent to the workers, "
+                       f"also DAPO overlong shaping; rollout.py: eval). Default {max_new_tokens}.")
+  flags.DEFINE_float("temperature", 1.0, "Sampling temperature (trainer: sent to the workers, the loss scores "
+                     "log-probs at it; rollout.py: eval, 0 = greedy). Default 1.0.")
+  flags.DEFINE_integer("top_k", 0, "Top-k truncation (0 = off; trainer: sent to the workers). Default 0.")
+  flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) mass (1 = off; trainer: sent to the workers, with truncation set "
+                     "a tis_cap override). Default 1.0.")
+  # Bad values fail at flag parsing; temperature's rule differs per entry point (eval allows greedy).
+  for name, ok, rule in (
+      ("max_new_tokens", lambda v: v >= 1, ">= 1 (a completion budget)"), ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
+      ("max_staleness", lambda v: v >= 0, ">= 0 (a negative bound makes every rollout stale)"),
+      ("server_retries", lambda v: v >= 0, ">= 0"), ("top_p", lambda v: 0 < v <= 1, "in (0, 1]")):
+    flags.register_validator(name, ok, message=f"--{name} must be {rule}")
+
+
+# glibc mallopt parameter numbers (<malloc.h>).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+
+
+def tune_malloc():
+  """Keep freed host buffers for the next step. XLA's CPU runtime allocates each execution's temporaries from its
+  own threads; glibc gives them arenas whose large blocks are mmap'd and returned when freed, so every step
+  page-faults its working set in again (measured: 95k minor faults, ~15% of a training step's CPU on 2 cores).
+  One arena, no mmap'd blocks and a 2 GB trim threshold make a step reuse the last one's memory (~0 faults once
+  settled; RESULTS.md "host malloc", `python -m bench.train_step --host_malloc=default` is the other side).
+  Cost: the process keeps its peak resident set. Call before the first JAX computation (glibc fixes the arena
+  limit when a thread first allocates). Not in the pytest process: with one arena the Pallas TPU interpreter on 8
+  fake devices deadlocks in XLA's CPU runtime (tests/test_kernels.py; 3 of 3 runs). True where it took effect."""
+  try:
+    mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+  except (OSError, AttributeError):
+    return False
+  mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+  return all(mallopt(p, v) == 1 for p, v in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
