@@ -728,6 +728,7 @@ case "$cmd" in
   stop) stop_local "$@" ;;
   test)
     setup_venv requirements-dev.txt
+    "$PY" -m tools.size  # the line budget of the runtime code (tools/size.py): past it, CI fails
     XLA_FLAGS="--xla_force_host_platform_device_count=8" JAX_PLATFORMS=cpu exec "$PY" -m pytest -q tests "$@"
     ;;
   v5p-*|v5e-*|v6e-*) run_pod "$cmd" "$@" ;;

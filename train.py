@@ -116,7 +116,7 @@ def define_flags():
   flags.DEFINE_integer("push_every", 1, "Push weights every N steps. Default 1.")
   flags.DEFINE_integer("checkpoint_every", 10, "Checkpoint (and ack) every N steps. Default 10.")
   flags.DEFINE_integer("export_every", 0, "Also export the policy as an HF checkpoint to <run_dir>/exports/"
-                       "step_NNNNNN every N steps (held-out pass@k versus step: bench_curation.py). 0 = off (a 32B "
+                       "step_NNNNNN every N steps (held-out pass@k versus step: python -m tools.curation). 0 = off (a 32B "
                        "export is a full gather per export). Default 0.")
   flags.DEFINE_integer("keep_checkpoints", 2, "Checkpoints kept on disk. Default 2.")
   flags.DEFINE_string("checkpoint_dir", "", "Where checkpoints go (a path or gs://bucket/path). Default '' = "
@@ -250,12 +250,12 @@ def init_learner(mesh, cfg, init):
   # same dtype would alias the donated params buffers.
   ref_params = (jax.tree.map(lambda x: jnp.array(x, compute_dtype, copy=True), policy)
                 if lcfg.kl_coef > 0 else None)
-  common = dict(cfg=cfg, temperature=FLAGS.temperature, compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl,
-                logprob_chunk=FLAGS.logprob_chunk)
+  kw = dict(cfg=cfg, temperature=FLAGS.temperature, compute_dtype=compute_dtype, attn_impl=FLAGS.attn_impl,
+            logprob_chunk=FLAGS.logprob_chunk)
   loss_fn = functools.partial(rl_loss, lcfg=lcfg, value_coef=FLAGS.value_coef, gae_gamma=FLAGS.gae_gamma,
-                              gae_lambda=FLAGS.gae_lambda, value_clip=FLAGS.value_clip, remat=FLAGS.remat, **common)
+                              gae_lambda=FLAGS.gae_lambda, value_clip=FLAGS.value_clip, remat=FLAGS.remat, **kw)
   step = make_train_step(optimizer, loss_fn, FLAGS.grad_accum, epochs=FLAGS.ppo_epochs,
-                                 minibatches=FLAGS.minibatches, prox_fn=functools.partial(proximal, **common))
+                         minibatches=FLAGS.minibatches, prox_fn=functools.partial(proximal, **kw))
   # Pin the outputs to the inputs' shardings: XLA would otherwise leave updated params/moments replicated.
   shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
   train_step = jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, None))
@@ -305,7 +305,7 @@ def parse_band(spec):
 
 def connect_servers():
   """A client per parameter server: entry 0 (--server) holds the queues and the manifest; every trainer process
-  stages its weight shards on entry process_index % S (shards.publish)."""
+  stages its weight shards on entry process_index % S (publish_shards)."""
   token = open(FLAGS.token_file).read().strip() if FLAGS.token_file else None
   if FLAGS.shard_servers.startswith("self:"):  # a pod: one server per trainer host, on this port
     addrs = own_server_addresses(FLAGS.server, int(FLAGS.shard_servers[5:]))
@@ -319,7 +319,6 @@ def connect_servers():
 def run_rl():
   """collect -> batch -> step -> publish -> checkpoint -> log, until --steps or a SIGTERM (a TPU preemption:
   the partial batch goes back to the server, the checkpoint is written, a rerun resumes)."""
-  import param_server
   from tqdm import tqdm
   stop = param_server.StopFlag()
   mesh = setup_mesh()
@@ -398,8 +397,8 @@ def run_rl():
     if state["step"] % FLAGS.checkpoint_every == 0 or last:
       checkpoint(ckpt, collector, state, params, opt_state)
     if FLAGS.export_every and state["step"] % FLAGS.export_every == 0:
-      export_hf(os.path.join(FLAGS.run_dir, "exports", f"step_{state['step']:06d}"), cfg,
-                        params["policy"], tokenizer_src=FLAGS.tokenizer, sampling=gen)
+      export_hf(os.path.join(FLAGS.run_dir, "exports", f"step_{state['step']:06d}"), cfg, params["policy"],
+                tokenizer_src=FLAGS.tokenizer, sampling=gen)
     # 6. Log.
     if lead:
       rec = step_record(state, got, collector, trained_version, rewards, lengths, batch, m,
@@ -422,7 +421,7 @@ def run_rl():
 
 def publish(servers, version, policy, meta):
   """Every process stages its own shards (no gather); process 0 commits the manifest, a version newer than
-  both ours and the server's (shards.publish). Returns the version published."""
+  both ours and the server's (publish_shards). Returns the version published."""
   want = max(version, servers[0].latest_version()) + 1 if jax.process_index() == 0 else 0
   dtype = jnp.dtype(FLAGS.param_dtype)
   return publish_shards(servers, want, jax.tree.map(lambda x: x.astype(dtype), policy), meta)[0]
@@ -464,8 +463,8 @@ def curate(collector, stop, metrics):
   metrics.write(rec)
 
 
-# What a rollout's worker reports with it (shards.pull figures, its load over the last 30 s); logged as the mean
-# over a step's groups. With the trainer's own wait fraction they say which side to grow (plot.py's balance line,
+# What a rollout's worker reports with it (rollout.pull_weights figures, its load over the last 30 s); logged as the mean
+# over a step's groups. With the trainer's own wait fraction they say which side to grow (tools/plot.py's balance line,
 # docs/GUIDE.md "Sizing").
 WORKER_STATS = ("pull_bytes", "pull_s", "delta_frac", "worker_busy_frac", "worker_tok_s", "worker_wait_prompts_frac",
                 "worker_wait_send_frac")
@@ -713,7 +712,7 @@ class Metrics:
 
   def write(self, rec):
     # One write() per line: a buffered text file splits a long line (a step's sample ids run past 8 KiB) into
-    # several writes, and a reader tailing the file (plot.py, the system tests, a user's `tail -f | jq`) then sees
+    # several writes, and a reader tailing the file (tools/plot.py, the system tests, a user's `tail -f | jq`) then sees
     # a cut line that is not the sign of a crash.
     if self.fd is not None:
       data = (json.dumps(rec) + "\n").encode()
@@ -832,17 +831,6 @@ class Checkpointer:
     self.mngr.close()
 
 
-def read_state(ckpt_dir):
-  """The run state of the newest committed checkpoint (no arrays read), or None."""
-  c = Checkpointer(ckpt_dir, keep=1 << 30)
-  try:
-    step = c.mngr.latest_step()
-    return None if step is None else c.mngr.restore(step, args=c.ocp.args.Composite(
-        state=c.ocp.args.JsonRestore()))["state"]
-  finally:
-    c.close()
-
-
 def export_hf(out, cfg, params, dtype=None, tokenizer_src=None, sampling=None):
   """HF safetensors from (possibly cross-process sharded) params, gathering one tensor at a time; process 0
   writes. Collective: every process calls it. Written to out.tmp and renamed (complete or absent). With
@@ -874,6 +862,15 @@ def export_hf(out, cfg, params, dtype=None, tokenizer_src=None, sampling=None):
 
 
 # --- The exactly-once ledger: prompts issued, rollouts leased, acked after the checkpoint commits --------------------
+# Process 0's side of the queues. A rollout leased for step s is consumed (trained, or skipped as stale /
+# zero-variance / malformed, listed in the step's skipped_ids) only once a checkpoint holding step s has committed,
+# and only then acked on the server. A trainer killed before that gets the rollouts again (the startup requeue
+# releases its leases) and trains them once in the surviving lineage; ids a committed checkpoint records but that
+# were not acked before a crash are skipped by id. Prompts get deterministic ids ("s<seq>") from a resumable
+# data.PromptStream whose cursor is in the checkpoint, so a restarted trainer re-issues the same ids and the server
+# drops duplicates; a stale rollout's prompt is re-issued as "<id>r". Online curation skips prompts whose recent
+# pass rate left --pass_band (at most one pass over the stream per draw, so an empty band cannot stall). A prompt
+# the server quarantined (workers failed it --max_failures times) counts as consumed without training, once.
 
 class RolloutLedger:
   """Which rollout ids this trainer lineage consumed, for exactly-once acks; bounded for runs of any length.
@@ -981,7 +978,7 @@ class Collected:
 
 
 class Collector:
-  """Process 0's side of the "prompts" / "rollouts" queues (module docstring). `encode(problem)` -> prompt ids;
+  """Process 0's side of the "prompts" / "rollouts" queues (section comment above). `encode(problem)` -> prompt ids;
   `band`: (low, high) pass-rate band of online curation, or None; `lease_s` / `wait_s`: the rollout lease and
   the long-poll wait of each get, in seconds."""
 
@@ -995,7 +992,7 @@ class Collector:
     self.quarantined = []  # dict(id, reason, failures) per prompt the server quarantined
     self._rated = []  # (prompt id, rewards) of the step being collected: into the tracker once it is trained
 
-  # -- checkpointed state: flat keys, as train.py's checkpoints have always stored them
+  # -- checkpointed state
   def state_dict(self):
     return dict(seq=self.seq, issued=self.issued, band_skipped=self.band_skipped, quarantined=self.quarantined,
                 stream=self.stream.state_dict(), pass_rates=self.tracker.state_dict(),

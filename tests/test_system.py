@@ -41,6 +41,17 @@ def tiny_base(run, tok):
   model.save_hf_checkpoint(os.path.join(run, "base"), cfg, model.init_params(cfg, jax.random.PRNGKey(0)))
 
 
+def read_state(ckpt_dir):
+  """The run state (JSON item) of the newest committed checkpoint in ckpt_dir, or None: no arrays read."""
+  c = train.Checkpointer(ckpt_dir, keep=1 << 30)
+  try:
+    step = c.mngr.latest_step()
+    return None if step is None else c.mngr.restore(step, args=c.ocp.args.Composite(
+        state=c.ocp.args.JsonRestore()))["state"]
+  finally:
+    c.close()
+
+
 def steps_done(run):
   path = os.path.join(run, "metrics.jsonl")
   if not os.path.exists(path):
@@ -230,7 +241,7 @@ def check_exactly_once(run, steps):
   assert len(trained) == len(set(trained)) == steps * 2, "a rollout was trained twice in the final lineage"
   skipped = [rid for s in sorted(skipped) for rid in skipped[s]]
 
-  state = train.read_state(os.path.join(run, "ckpt"))
+  state = read_state(os.path.join(run, "ckpt"))
   assert state["step"] == steps
   # Exactly once: consumed = trained + skipped (stale / zero-variance), disjoint, nothing consumed untrained.
   # The checkpoint keeps a bounded record (count + the newest generations); the metrics log has every id.

@@ -17,6 +17,7 @@ import data
 import losses
 import model
 import train
+from test_system import read_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = model.Config(vocab_size=32, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, ffw_dim=64,
@@ -149,7 +150,7 @@ def test_checkpoint_roundtrip_is_exact_and_restores_onto_another_mesh(tmp_path):
   c.wait()
   c.close()
   assert sorted(x for x in os.listdir(d) if x.isdigit()) == ["2", "3"]  # bounded
-  assert train.read_state(d) == state
+  assert read_state(d) == state
   like_p, like_o, *_ = setup(lcfg, (1, 1, 2))  # another mesh: fsdp 4 x tensor 2 -> tensor 2
   p2, o2, st = train.Checkpointer(d, keep=2).restore(like_p, like_o)
   assert st == state and jax.tree.leaves(p2)[0].sharding == jax.tree.leaves(like_p)[0].sharding

@@ -1,0 +1,37 @@
+"""The size check: runtime code (what a run executes: the top-level modules, launch.sh, pallas_kernels/, tasks/) in
+lines per file, against the budget below. `bash launch.sh test` (CI) runs it first and fails past the budget, so
+the size of the code stays a decision: raise a number here in the same commit that needs it, and say why.
+Benchmarks (bench/), tools (tools/) and tests are not runtime code.
+
+Run: python -m tools.size
+"""
+import glob
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOTAL_BUDGET = 6000
+FILE_BUDGET = 1200  # no single file past this: a reader should be able to hold one file at a time
+
+
+def runtime_files():
+  pats = ("*.py", "launch.sh", "pallas_kernels/*.py", "tasks/*.py")
+  return sorted(p for pat in pats for p in glob.glob(os.path.join(ROOT, pat)))
+
+
+def main():
+  counts = {os.path.relpath(p, ROOT): sum(1 for _ in open(p, encoding="utf-8")) for p in runtime_files()}
+  for name, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+    print(f"{n:6d}  {name}{'   <- over the per-file budget of %d' % FILE_BUDGET if n > FILE_BUDGET else ''}")
+  total = sum(counts.values())
+  print(f"{total:6d}  total runtime lines (budget {TOTAL_BUDGET}, per file {FILE_BUDGET})")
+  over = [n for n in counts if counts[n] > FILE_BUDGET]
+  if total > TOTAL_BUDGET or over:
+    print(f"size check FAILED: total {total} > {TOTAL_BUDGET}" if total > TOTAL_BUDGET else
+          f"size check FAILED: {over} over {FILE_BUDGET} lines", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
