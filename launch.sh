@@ -30,6 +30,14 @@
 # (server secret), tokenizer-<task>.model, base/ (HF checkpoint of the warm-started policy), ckpt/ (trainer),
 # server/ (server persistence), jax_cache/ (compiled programs), final/, eval_*.json; STOP while stopping.
 set -euo pipefail
+# bash cannot trap a signal that was ignored when it started (a script's `launch.sh local &` with job control off
+# ignores SIGINT), so such a run would never stop on Ctrl-C: re-exec once with INT, TERM and HUP at their defaults.
+if [ -z "${RL_SIGNALS_RESET:-}" ] && [ -n "$(trap -p INT TERM HUP)" ]; then
+  export RL_SIGNALS_RESET=1
+  env --default-signal=INT true 2>/dev/null && exec env --default-signal=INT,TERM,HUP "$BASH" "$0" "$@"
+  exec python3 -c 'import os, signal, sys; [signal.signal(s, signal.SIG_DFL) for s in (1, 2, 15)]
+os.execvp(sys.argv[1], sys.argv[1:])' "$BASH" "$0" "$@"
+fi
 ROOT="$(cd "$(dirname "$0")" && pwd)"
 cd "$ROOT"
 VENV="${VENV:-$ROOT/.venv}"
@@ -77,7 +85,8 @@ parse_local_flags() {
       --skip_eval) SKIP_EVAL=1 ;;
       --eval_builtin) EVAL_BUILTIN=1 ;;
       --) shift; EXTRA=("$@"); return ;;
-      *) echo "launch.sh local: unknown flag $1 (train.py flags go after --)" >&2; exit 2 ;;
+      -h|--help) usage; exit 0 ;;
+      *) echo "launch.sh local: unknown flag $1 (train.py flags go after --; see --help)" >&2; exit 2 ;;
     esac
     shift
   done
@@ -138,12 +147,12 @@ chaos() {  # TOTAL_STEPS
   for spec in "worker0 KILL 3" "trainer0 TERM 6"; do
     read -r role sig tenths <<<"$spec"
     while step=$(current_step); [ "${step:-0}" -lt $(( $1 * tenths / 10 )) ]; do
-      [ -f "$RUN_DIR/DONE" ] || [ -f "$RUN_DIR/STOP" ] && return; sleep 1
+      [ -f "$RUN_DIR/DONE" ] || [ -f "$RUN_DIR/STOP" ] && return; nap 1
     done
     pid=$(cat "$RUN_DIR/pids/$role.pid")
     kill -"$sig" "$pid" 2>/dev/null && chaos_event "$role" "down (SIG$sig)" "$pid"
     while new=$(cat "$RUN_DIR/pids/$role.pid" 2>/dev/null); [ "${new:-$pid}" = "$pid" ]; do
-      [ -f "$RUN_DIR/DONE" ] || [ -f "$RUN_DIR/STOP" ] && return; sleep 1
+      [ -f "$RUN_DIR/DONE" ] || [ -f "$RUN_DIR/STOP" ] && return; nap 1
     done
     chaos_event "$role" "back (restarted by the supervisor)" "$new"
   done
@@ -156,6 +165,28 @@ total_steps() {
   echo "${STEPS:-$n}"
 }
 die() { echo "launch.sh: $*" >&2; exit 2; }
+nap() { sleep "$1" || true; }
+usage() {  # this file's header comment
+  sed -n '2,/^set -euo pipefail/p' "$ROOT/launch.sh" | sed -e '$d' -e 's/^# \{0,1\}//'
+  echo "The scripts' own flags (after --, or in --worker_args): python train.py --helpfull, python rollout.py" \
+       "--helpfull, or docs/FLAGS.md."
+}
+
+# SCRIPT ARGS...: the script's own flag parser and validators on ARGS, before anything expensive runs (a mistyped
+# train.py flag is reported now, not after the SFT and the base eval).
+check_flags() {
+  local err
+  err=$("$PY" - "$@" 2>&1 <<'PYEOF'
+import importlib, sys
+from absl import flags
+importlib.import_module(sys.argv[1][:-3]).define_flags()
+try:
+  flags.FLAGS(sys.argv[1:])
+except flags.Error as e:
+  sys.exit(f"{sys.argv[1]}: {e}")
+PYEOF
+) || die "${err##*$'\n'}"
+}  # a signal may cut it short: that must not end the script (set -e)
 
 # Refuse what would silently produce a wrong run: missing files, a real run evaluated on the demo's arithmetic.
 check_local_inputs() {
@@ -201,10 +232,52 @@ PYEOF
   exit 2
 }
 
+# One launch per run dir: a second one (and so a second trainer) is refused at once, naming the owner. The lock's
+# file descriptor is inherited by every role, so a run whose launcher was SIGKILLed stays locked while its roles live.
+take_run_lock() {
+  exec 9>>"$RUN_DIR/lock"
+  if command -v flock >/dev/null && ! flock -n 9; then
+    die "$RUN_DIR is in use by $(cat "$RUN_DIR/owner" 2>/dev/null || echo 'another launch');" \
+        "stop it first: bash launch.sh stop --run_dir=$RUN_DIR"
+  fi
+  echo "pid $$: bash launch.sh local ${LAUNCH_ARGS[*]}" >"$RUN_DIR/owner"
+}
+
+# Ctrl-C, SIGTERM (launch.sh stop, a TPU preemption) and SIGHUP (a closed terminal), to launch.sh or its group, at
+# any phase: the ordered stop (the foreground step is stopped; in the RL phase the supervise loop sees STOP and
+# stops the trainer first, with its final checkpoint, then the workers, the servers last). A rerun resumes.
+FG_PID=""
+on_signal() {
+  [ -f "$RUN_DIR/STOP" ] && return 0
+  echo "== stopping (SIG$1): trainer first (final checkpoint), workers, server last"
+  touch "$RUN_DIR/STOP"
+  [ -z "$FG_PID" ] || kill -TERM "$FG_PID" 2>/dev/null || true
+}
+run_fg() {  # a foreground step (SFT, eval) as a waited-for child, so that a signal's trap runs at once
+  "$@" & FG_PID=$!
+  local rc=0
+  wait "$FG_PID" || rc=$?
+  while kill -0 "$FG_PID" 2>/dev/null; do rc=0; wait "$FG_PID" || rc=$?; done
+  FG_PID=""
+  [ ! -f "$RUN_DIR/STOP" ] || { echo "== stopped; rerun the same command to resume"; exit 0; }
+  return $rc
+}
+
 free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-# The last non-blank line a role wrote after byte OFFSET of its log (a Python error ends with its message).
-last_error_line() { tail -c +"$(( $2 + 1 ))" "$1" 2>/dev/null | grep -v '^[[:space:]]*$' | tail -n 1 || true; }
+# What failed, from a role's log after byte OFFSET: absl's FATAL line (a bad flag), else the final line of the last
+# Python traceback (the exception), else the last line that is not a progress bar.
+last_error_line() {
+  tail -c +"$(( $2 + 1 ))" "$1" 2>/dev/null | tr '\r' '\n' | awk '
+    /FATAL Flags parsing error|^FATAL / { fatal = $0 }
+    /^Traceback \(most recent call last\):/ { tb = 1; next }
+    tb && /^[^ \t]/ { exc = $0; tb = 0 }
+    NF && !/it\/s|s\/it|%\|/ { last = $0 }
+    END { print (fatal != "" ? fatal : exc != "" ? exc : last) }' || true
+}
+# Failures a restart can cure (the server restarting, a full disk being cleaned, a network blip): retried with
+# backoff, never counted toward the give-up rules, which are for deterministic errors (a bad file or flag).
+is_transient() { [[ "$1" =~ ConnectionRefused|ConnectionReset|ConnectionError|BrokenPipe|TimeoutError|No\ space\ left|ENOSPC|StorageError|server\ unreachable ]]; }
 
 declare -A CMDS=() PIDS=() RESTARTS=() LOGPOS=() SAME_ERR=() LAST_ERR=()
 # Roles run in their own session (setsid where it exists): a Ctrl-C in the terminal reaches only launch.sh, which
@@ -226,7 +299,7 @@ stop_roles() {  # SIGTERM the given roles, wait up to 30 s for them to checkpoin
     alive=0
     for name in "$@"; do kill -0 "${PIDS[$name]}" 2>/dev/null && alive=1; done
     [ $alive = 0 ] && break
-    sleep 1
+    nap 1
   done
   for name in "$@"; do kill -KILL "${PIDS[$name]}" 2>/dev/null || true; wait "${PIDS[$name]}" 2>/dev/null || true; done
 }
@@ -249,9 +322,8 @@ stop_all() {
 
 # A role that fails 3 times in a row with the same last log line (a bad file, a bad flag) fails deterministically:
 # restarting it cannot help, so the run stops with that line instead of crash-looping MAX_RESTARTS times.
-check_deterministic_failure() {  # NAME RC
-  local name="$1" line
-  line=$(last_error_line "$RUN_DIR/logs/$name.log" "${LOGPOS[$name]:-0}")
+check_deterministic_failure() {  # NAME RC LINE
+  local name="$1" line="$3"
   if [ "$2" != 0 ] && [ -n "$line" ] && [ "$line" = "${LAST_ERR[$name]:-}" ]; then
     SAME_ERR[$name]=$(( ${SAME_ERR[$name]:-1} + 1 ))
   else
@@ -266,22 +338,33 @@ check_deterministic_failure() {  # NAME RC
   fi
 }
 
+declare -A TRANSIENT=()
 supervise() {  # restart any child that died until the trainer writes DONE or someone asks to STOP
-  local name
+  local name line pause
   while [ ! -f "$RUN_DIR/DONE" ] && [ ! -f "$RUN_DIR/STOP" ]; do
-    sleep 1
+    nap 1
     for name in "${!PIDS[@]}"; do
       if ! kill -0 "${PIDS[$name]}" 2>/dev/null; then
         wait "${PIDS[$name]}" 2>/dev/null && rc=0 || rc=$?
         [ -f "$RUN_DIR/DONE" ] || [ -f "$RUN_DIR/STOP" ] && break 2
-        check_deterministic_failure "$name" "$rc"
-        RESTARTS[$name]=$(( ${RESTARTS[$name]:-0} + 1 ))
-        if [ "${RESTARTS[$name]}" -gt "${MAX_RESTARTS:-20}" ]; then
-          echo "launch.sh: $name died $((RESTARTS[$name])) times, giving up; see $RUN_DIR/logs/$name.log" >&2
-          stop_all; exit 1
+        line=$(last_error_line "$RUN_DIR/logs/$name.log" "${LOGPOS[$name]:-0}")
+        if is_transient "$line"; then  # backoff 2, 4, ... 60 s; not counted
+          TRANSIENT[$name]=$(( ${TRANSIENT[$name]:-0} + 1 )); pause=$(( 1 << (TRANSIENT[$name] < 6 ? TRANSIENT[$name] : 6) ))
+          pause=$(( pause > 60 ? 60 : pause ))
+          echo "launch.sh: $name exited (rc=$rc) on a transient error, restarting in ${pause}s: $line" |
+            tee -a "$RUN_DIR/logs/supervisor.log"
+        else
+          TRANSIENT[$name]=0; pause=2  # a crash loop should not spin; the give-up rules end it
+          check_deterministic_failure "$name" "$rc" "$line"
+          RESTARTS[$name]=$(( ${RESTARTS[$name]:-0} + 1 ))
+          if [ "${RESTARTS[$name]}" -gt "${MAX_RESTARTS:-20}" ]; then
+            echo "launch.sh: $name died $((RESTARTS[$name])) times, giving up: $line (log: $RUN_DIR/logs/$name.log)" >&2
+            stop_all; exit 1
+          fi
+          echo "launch.sh: $name exited (rc=$rc): ${line:-no error in its log}; restart #${RESTARTS[$name]}" |
+            tee -a "$RUN_DIR/logs/supervisor.log"
         fi
-        echo "launch.sh: $name exited (rc=$rc); restart #${RESTARTS[$name]}" | tee -a "$RUN_DIR/logs/supervisor.log"
-        sleep 2  # a crash loop (bad flag, bad data) should not spin; MAX_RESTARTS ends it
+        nap "$pause"
         local group=("$name")
         # The trainer's JAX processes run collectives together: when one dies, restart all of them.
         [[ "$name" == trainer* ]] && group=($(roles_like '^trainer'))
@@ -297,6 +380,7 @@ supervise() {  # restart any child that died until the trainer writes DONE or so
 }
 
 run_local() {
+  LAUNCH_ARGS=("$@")
   parse_local_flags "$@"
   check_local_inputs
   pin_env
@@ -316,8 +400,15 @@ run_local() {
   fi
   rl_flags+=(--seed="$SEED")
   [ $PRINT_SETTINGS = 1 ] && { print_settings; return; }
+  check_flags train.py "${rl_flags[@]}" --max_new_tokens="$MAX_NEW" --template="$TEMPLATE" ${STEPS:+--steps=$STEPS} \
+    "${EXTRA[@]}"
+  # shellcheck disable=SC2086
+  check_flags rollout.py $WORKER_ARGS
+  check_flags rollout.py --mode=eval "${eval_flags[@]}"
   mkdir -p "$RUN_DIR/logs" "$RUN_DIR/pids"
+  take_run_lock
   rm -f "$RUN_DIR/STOP"
+  trap 'on_signal INT' INT; trap 'on_signal TERM' TERM; trap 'on_signal HUP' HUP
   echo $$ >"$RUN_DIR/launch.pid"  # `launch.sh stop` signals this supervisor, which stops the roles in order
   local t_start=$SECONDS
   [ -z "$TOKENIZER" ] && [ -n "$INIT_CKPT" ] && TOKENIZER="$INIT_CKPT"  # a real checkpoint ships its tokenizer
@@ -330,7 +421,7 @@ run_local() {
   local base="${INIT_CKPT:-$RUN_DIR/base}"
   if [ ! -f "$base/config.json" ]; then
     echo "== supervised warm-start of the base policy -> $base (log: $RUN_DIR/logs/sft.log)"
-    "$PY" train.py --mode=sft --run_dir="$RUN_DIR" --tokenizer="$TOKENIZER" "${DEMO_TASK_FLAGS[@]}" "${DEMO_SFT_FLAGS[@]}" --seed="$SEED" \
+    run_fg "$PY" train.py --mode=sft --run_dir="$RUN_DIR" --tokenizer="$TOKENIZER" "${DEMO_TASK_FLAGS[@]}" "${DEMO_SFT_FLAGS[@]}" --seed="$SEED" \
       >"$RUN_DIR/logs/sft.log" 2>&1 || { tail -20 "$RUN_DIR/logs/sft.log"; exit 1; }
   fi
   eval_flags+=(--max_new_tokens="$MAX_NEW" --template="$TEMPLATE")
@@ -347,8 +438,6 @@ run_local() {
     local coord_port; coord_port=$(free_port)
     printf 'server=%s\ncoordinator=%s\n' "$PORT" "$coord_port" >"$RUN_DIR/ports"
     echo "== RL: server :$PORT, $TRAINER_PROCS trainer process(es), $WORKERS workers (logs: $RUN_DIR/logs)"
-    # Ctrl-C / `launch.sh stop` (SIGTERM): the supervise loop sees STOP, then stop_all stops the roles in order.
-    trap 'echo "== stopping: trainer first (final checkpoint), workers, server last"; touch "$RUN_DIR/STOP"' INT TERM
     start_role server "$PY" param_server.py --port="$PORT" --token_file="$RUN_DIR/token" --run_dir="$RUN_DIR/server"
     # One shard server per trainer process (a pod has one per trainer host): the first is --server, which also
     # holds the manifest; the others listen on free ports (recorded in $RUN_DIR/ports).
@@ -380,14 +469,13 @@ run_local() {
     # plain pipeline it is grep's pid, and killing grep left tail -F running forever, holding our stdout open);
     # --pid ends it with this script even if we are SIGKILLed.
     tail -n 0 -F --pid=$$ "$RUN_DIR/logs/trainer0.log" 2>/dev/null \
-      > >(tr '\r' '\n' | grep --line-buffered -E "it/s|s/it" | sed -u -E 's/\][IWEF][0-9]{4} [0-9:.]+ .*/]/') &
+      > >(stdbuf -oL tr '\r' '\n' | grep --line-buffered -E "it/s|s/it" | sed -u -E 's/\][IWEF][0-9]{4} [0-9:.]+ .*/]/') &
     TAIL_PID=$!
     local chaos_pid=""
     if [ "$CHAOS" = 1 ]; then chaos "$(total_steps)" & chaos_pid=$!; fi
     supervise
     [ -n "$chaos_pid" ] && kill "$chaos_pid" 2>/dev/null || true
     stop_all
-    trap - INT TERM
     [ -f "$RUN_DIR/DONE" ] || { echo "== stopped before the last step (checkpointed); rerun the same command to resume"; return; }
   fi
   [ $SKIP_EVAL = 1 ] && { run_plot; echo "== done (eval skipped): $RUN_DIR/final"; return; }
@@ -417,7 +505,7 @@ run_plot() { "$PY" -m tools.plot "$RUN_DIR" || echo "launch.sh: tools/plot.py fa
 
 # eval CHECKPOINT before|after: pass@k into eval_<when>.json; a failure names the log and shows its last lines.
 run_eval() {
-  "$PY" rollout.py --mode=eval --checkpoint="$1" --tokenizer="$TOKENIZER" "${eval_flags[@]}" \
+  run_fg "$PY" rollout.py --mode=eval --checkpoint="$1" --tokenizer="$TOKENIZER" "${eval_flags[@]}" \
     --out="$RUN_DIR/eval_$2.json" >>"$RUN_DIR/logs/eval.log" 2>&1 && return
   echo "launch.sh: evaluation of $1 failed ($RUN_DIR/logs/eval.log):" >&2
   grep -v '^[[:space:]]*$' "$RUN_DIR/logs/eval.log" | tail -n 3 | sed 's/^/  /' >&2
@@ -736,5 +824,6 @@ case "$cmd" in
   host) run_host "$@" ;;
   host_stop) host_stop "$@" ;;
   host_status) host_status "$@" ;;
-  *) echo "usage: bash launch.sh {local|stop|test|v5p-N|v5e-N|v6e-N} [flags]" >&2; exit 2 ;;
+  -h|--help|help) usage ;;
+  *) echo "usage: bash launch.sh {local|stop|test|v5p-N|v5e-N|v6e-N} [flags] (--help: the options)" >&2; exit 2 ;;
 esac; exit $?  # on the same line as esac: bash never reads past it, so editing launch.sh mid-run is safe

@@ -81,8 +81,7 @@ def define_flags():
                        "--max_new_tokens is skipped at load (logged with file:line). 0 = the checkpoint's "
                        "max_position_embeddings. Default 0.")
   # RL.
-  flags.DEFINE_string("algo", "grpo", "Loss preset from losses.ALGORITHMS (grpo, dr_grpo, dapo, gspo, cispo, ppo, rloo, "
-                      "reinforce_pp). Default grpo.")
+  flags.DEFINE_enum("algo", "grpo", list(losses.ALGORITHMS), "Loss preset (losses.ALGORITHMS). Default grpo.")
   flags.DEFINE_multi_string("loss_override", [], "field=value overrides of the LossConfig, e.g. kl_coef=0.01. Default none.")
   flags.DEFINE_integer("steps", 100, "Optimizer steps in the run. Default 100.")
   flags.DEFINE_integer("prompts_per_step", 16, "Prompt groups per optimizer step. Default 16.")
