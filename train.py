@@ -110,6 +110,8 @@ def define_flags():
   flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay. Default 0.")
   flags.DEFINE_float("grad_clip", 1.0, "Global-norm gradient clip. Default 1.0.")
   flags.DEFINE_integer("grad_accum", 1, "Micro-batches per optimizer step. Default 1.")
+  flags.DEFINE_integer("max_nonfinite_steps", 5, "Steps in a row whose loss or gradient is non-finite (each update "
+                       "is skipped, the weights untouched) after which the run stops with an error. Default 5.")
   flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"], "Compute/worker weight dtype (master stays fp32). "
                     "Default float32.")
   flags.DEFINE_integer("push_every", 1, "Push weights every N steps. Default 1.")
@@ -156,6 +158,7 @@ def define_flags():
       ("steps", at_least(1), ">= 1"), ("prompts_per_step", at_least(1), ">= 1"), ("group_size", at_least(1), ">= 1"),
       ("prefetch_steps", at_least(1), ">= 1 (0 issues no prompts: the trainer would wait forever)"),
       ("grad_accum", at_least(1), ">= 1"), ("push_every", at_least(1), ">= 1"),
+      ("max_nonfinite_steps", at_least(1), ">= 1"),
       ("checkpoint_every", at_least(1), ">= 1"), ("keep_checkpoints", at_least(1), ">= 1"),
       ("warmup_steps", at_least(0), ">= 0"), ("sft_steps", at_least(1), ">= 1"), ("sft_batch", at_least(1), ">= 1"),
       ("train_size", at_least(1), ">= 1"), ("difficulty", at_least(1), ">= 1"),
@@ -363,7 +366,7 @@ def run_rl():
   bsh = NamedSharding(mesh, P(("data", "fsdp")))
   bar = tqdm(total=FLAGS.steps, initial=state["step"], desc=FLAGS.algo, dynamic_ncols=True, mininterval=1.0,
              miniters=1, disable=not lead)
-  push_s = 0.0
+  push_s, nonfinite = 0.0, 0
   while state["step"] < FLAGS.steps:
     # 1. Collect a batch of rollout groups (process 0), exactly once.
     t0 = time.time()
@@ -382,6 +385,14 @@ def run_rl():
     params, opt_state, m = train_step(params, opt_state, ref_params, to_global(batch, bsh))
     m = {k: float(v) for k, v in m.items()}  # host sync: the step is done
     step_s = time.time() - t1
+    nonfinite = nonfinite + 1 if m["update_skipped"] > 0 else 0
+    if nonfinite:
+      logging.warning("step %d: non-finite loss or gradient (loss %s, grad norm %s): update skipped (%d in a row)",
+                      state["step"] + 1, m["loss"], m["grad_norm"], nonfinite)
+    if nonfinite >= FLAGS.max_nonfinite_steps:
+      raise RuntimeError(f"{nonfinite} steps in a row had a non-finite loss or gradient (last: loss {m['loss']}, "
+                         f"grad norm {m['grad_norm']}); stopping before publishing. The weights of step "
+                         f"{state['step']} are intact in the last checkpoint; see metrics.jsonl")
     state["step"] += 1
     if lead:
       collector.step_done()
@@ -641,8 +652,14 @@ def _make_update(optimizer, loss_fn, grad_accum):
                                                                     jax.tree.map(lambda x: x[0], mbs))[0])))
     (g, loss, m), _ = jax.lax.scan(micro, zero, mbs)
     g, loss, m = jax.tree.map(lambda x: x / grad_accum, (g, loss, m))
-    updates, opt_state = optimizer.update(g, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, dict(m, loss=loss, grad_norm=optax.tree.norm(g))
+    updates, new_opt = optimizer.update(g, opt_state, params)
+    gnorm = optax.tree.norm(g)
+    # The numerical firewall: a non-finite loss or gradient (one bad batch, one bad chip) never reaches the weights
+    # or the optimizer moments; the update is skipped and counted (run_rl stops after --max_nonfinite_steps).
+    ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+    return (keep(optax.apply_updates(params, updates), params), keep(new_opt, opt_state),
+            dict(m, loss=loss, grad_norm=gnorm, update_skipped=1.0 - ok))
   return step
 
 
@@ -1038,7 +1055,7 @@ class Collector:
   def _take(self, it, version, got):
     """One leased rollout: a duplicate, stale, malformed, zero-variance, or one to train on."""
     rid = it["id"]
-    if rid.startswith("c"):  # a curation rollout from before a trainer restart: already counted
+    if rid.startswith("c"):  # a curation rollout of an earlier trainer incarnation: not training data
       self.client.ack("rollouts", [rid])
       return
     seen = self.ledger.lease(rid)
@@ -1112,22 +1129,26 @@ class Collector:
 
   def curate(self, n, stop):
     """Offline curation through the workers at the base weights: group_size samples of each of the next n
-    prompts of the stream (ids c<i>, scored, never trained on); their pass rates go into the tracker, which
+    prompts of the stream (ids c<incarnation>.<i>, scored, never trained on); their pass rates go into the tracker, which
     decides what is issued (in_band). The stream itself stays the whole training set: RL on a small kept subset
     memorises it (measured: a 754-prompt subset, each drawn ~25 times, raised the training reward 0.19 -> 0.47
     and held-out pass@8 fell 36.6% -> 18.8%). Returns (the rated candidates, {problem id: pass rate}); a malformed
     rollout is logged and its prompt left unrated."""
     from tqdm import tqdm
     cand = self.stream.peek(min(n, len(self.stream.problems)))
+    # Ids of this incarnation's own: a trainer killed or SIGTERMed mid-curation rates again from scratch, and the
+    # server, which remembers acked ids and drops their re-puts, must not see the old ids again (it would answer
+    # nothing and the new incarnation would wait forever).
+    tag = f"c{os.urandom(4).hex()}."
     for s in range(0, len(cand), 256):  # bounded frames
-      self.client.put("prompts", [self.prompt_item(f"c{i}", p).to_wire() for i, p in enumerate(cand[s:s + 256], s)])
+      self.client.put("prompts", [self.prompt_item(f"{tag}{i}", p).to_wire() for i, p in enumerate(cand[s:s + 256], s)])
     seen = set()
     bar = tqdm(total=len(cand), desc="curation: base pass rates", dynamic_ncols=True, mininterval=1.0)
     while len(seen) < len(cand):
       if stop.requested:  # nothing trained yet: the restarted trainer curates again
         raise SystemExit("stopped during curation")
       for it in self.client.get("rollouts", max_items=64, wait_s=self.wait_s, lease_s=self.lease_s):
-        if it["id"].startswith("c") and it["id"] not in seen:
+        if it["id"].startswith(tag) and it["id"] not in seen:
           seen.add(it["id"])
           bar.update(1)
           try:

@@ -107,7 +107,7 @@ def kill9_and_wait_restart(run, role, proc, sig=signal.SIGKILL):
   wait_until(replaced, 60, f"the {role} restart", proc)
 
 
-def start_run(tmp_path, steps, launch_flags=()):
+def start_run(tmp_path, steps, launch_flags=(), train_flags=()):
   """launch.sh local on a tiny random base policy, in its own session (on failure the whole tree is killed)."""
   run = str(tmp_path / "run")
   os.makedirs(run)
@@ -118,7 +118,8 @@ def start_run(tmp_path, steps, launch_flags=()):
          "--worker_args=--lease_s=6 --slots=8 --chunk_steps=4 --verifier_workers=0",
          "--", "--prompts_per_step=2", "--group_size=4", "--checkpoint_every=2", "--difficulty=1", "--ops=+-",
          "--get_wait_s=0.5", "--rollout_lease_s=60", "--train_size=100", "--prefetch_steps=1",
-         "--curate_prompts=0", "--pass_band="]  # the demo's curation: a random policy solves no prompt, none is kept
+         "--curate_prompts=0", "--pass_band=",  # the demo's curation: a random policy solves no prompt, none is kept
+         *train_flags]
   log = open(os.path.join(str(tmp_path), "launch.log"), "w")
   proc = subprocess.Popen(cmd, cwd=ROOT, env=benchutil.child_env(), stdout=log, stderr=subprocess.STDOUT,
                           start_new_session=True)
@@ -235,7 +236,8 @@ def check_exactly_once(run, steps):
   lineage, skipped = {}, {}
   for line in open(os.path.join(run, "metrics.jsonl")):
     rec = json.loads(line)
-    lineage[rec["step"]], skipped[rec["step"]] = rec["rollout_ids"], rec["skipped_ids"]
+    if "rollout_ids" in rec:  # a step (not the curation record)
+      lineage[rec["step"]], skipped[rec["step"]] = rec["rollout_ids"], rec["skipped_ids"]
   assert sorted(lineage) == list(range(1, steps + 1))
   trained = [rid for s in sorted(lineage) for rid in lineage[s]]
   assert len(trained) == len(set(trained)) == steps * 2, "a rollout was trained twice in the final lineage"
@@ -265,3 +267,33 @@ def check_exactly_once(run, steps):
       assert {pid + "r" * i for i in range(4)} & seen, f"prompt {pid} was lost"
   finally:
     srv.stop()
+
+
+def test_trainer_killed_and_sigtermed_during_curation_restarts_and_finishes(tmp_path):
+  """Offline curation (--curate_prompts) survives its trainer: kill -9 and then SIGTERM while it rates the base
+  policy (the workers paused, so it cannot have finished); each new incarnation rates under its own ids (the server
+  drops re-puts of acked ids, so reusing them hung the restarted trainer forever) and the run finishes."""
+  steps = 4
+  run, proc, log = start_run(tmp_path, steps, train_flags=["--curate_prompts=60", "--pass_band=0,1"])
+  workers = ("worker0", "worker1")
+
+  def curating(n):
+    path = os.path.join(run, "logs", "trainer0.log")
+    return lambda: os.path.exists(path) and open(path, errors="replace").read().count("curation: base pass") >= n
+  try:
+    wait_until(lambda: all(os.path.exists(os.path.join(run, "pids", f"{w}.pid")) for w in workers), 200, "workers",
+               proc)
+    signal_roles(run, workers, signal.SIGSTOP)
+    wait_until(curating(1), 300, "curation", proc)
+    kill9_and_wait_restart(run, "trainer0", proc)
+    wait_until(curating(2), 300, "curation after the kill -9", proc)
+    kill9_and_wait_restart(run, "trainer0", proc, signal.SIGTERM)
+    wait_until(curating(3), 300, "curation after the SIGTERM", proc)
+    signal_roles(run, workers, signal.SIGCONT)
+  except BaseException:
+    os.killpg(proc.pid, signal.SIGKILL)
+    kill_roles(run)
+    raise
+  finish_run(tmp_path, run, proc, log, steps, ("trainer0",))
+  recs = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
+  assert [r["curation_prompts"] for r in recs if "curation_prompts" in r] == [60]

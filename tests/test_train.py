@@ -64,6 +64,22 @@ def test_every_algorithm_takes_a_finite_step(algo):
     assert "value_loss" in m and float(jnp.abs(new["value"]["w"]).max()) > 0
 
 
+def test_a_non_finite_loss_or_gradient_never_reaches_the_weights():
+  """One NaN behaviour log-prob (a bad worker chip) makes the loss NaN: the update is skipped and reported, the
+  weights and optimizer moments stay bit-identical; the next finite batch trains normally."""
+  lcfg = losses.ALGORITHMS["grpo"]
+  params, opt_state, ref, step, gb, batch = setup(lcfg)
+  bad = dict(batch, behaviour_logp=np.where(batch["loss_mask"] > 0, np.float32("nan"), 0).astype(np.float32))
+  bad = train.to_global(bad, jax.tree.leaves(gb)[0].sharding)
+  p1, o1, m = step(params, opt_state, ref, bad)
+  assert not np.isfinite(float(m["loss"])) and float(m["update_skipped"]) == 1.0
+  for a, b in zip(jax.tree.leaves((params, opt_state)), jax.tree.leaves((p1, o1))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  p2, _, m = step(p1, o1, ref, gb)
+  assert float(m["update_skipped"]) == 0.0 and np.isfinite(float(m["loss"]))
+  assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1))) > 0
+
+
 def test_batch_alignment_and_overlong_shaping():
   lcfg = losses.ALGORITHMS["dapo"]
   g = groups()
