@@ -68,9 +68,9 @@ class Problem:
       object.__setattr__(self, "tests", tuple(t if isinstance(t, str) else tuple(t) for t in self.tests))
 
 
-def render_prompt(problem: Problem, template: str = "plain", chat_template: Optional["ChatTemplate"] = None) -> str:
+def render_prompt(problem: Problem, template: str = "plain", chat_template: Optional[Callable] = None) -> str:
   """"plain": the prompt as is (built-in tasks). "chatml": Qwen/QwQ-style chat turns ending with the assistant
-  header, ready for generation. "hf": the checkpoint's own Jinja `chat_template` (see load_chat_template)."""
+  header, ready for generation. "hf": the checkpoint's own chat template (chat_template=load_chat_template(dir))."""
   system = problem.system
   if template == "plain":
     return problem.prompt
@@ -80,33 +80,41 @@ def render_prompt(problem: Problem, template: str = "plain", chat_template: Opti
   if template == "hf":
     if chat_template is None:
       raise ValueError("render_prompt: template 'hf' needs chat_template=load_chat_template(checkpoint_dir)")
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": problem.prompt}]
-    return chat_template.render(msgs)
+    return chat_template(([{"role": "system", "content": system}] if system else []) +
+                         [{"role": "user", "content": problem.prompt}])
   raise ValueError(f"render_prompt: unknown template {template!r} (expected 'plain', 'chatml' or 'hf')")
 
 
-@dataclasses.dataclass(frozen=True)
-class ChatTemplate:
-  """An HF `chat_template` (Jinja) rendered the way transformers' apply_chat_template does: sandboxed
-  environment, trim_blocks/lstrip_blocks, `raise_exception`, bos/eos tokens, add_generation_prompt=True."""
-  source: str
-  bos_token: str = ""
-  eos_token: str = ""
+def load_chat_template(path) -> Callable:
+  """render(messages) -> str for the Jinja "chat_template" in tokenizer_config.json (or chat_template.jinja, as
+  newer transformers write) of a checkpoint dir (or a file in it), rendered the way transformers'
+  apply_chat_template does: sandboxed environment, trim/lstrip_blocks, raise_exception, bos/eos tokens, and
+  add_generation_prompt=True."""
+  from jinja2.exceptions import TemplateError
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+  folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+  cfg = _read_json(folder, "tokenizer_config.json")
+  src = cfg.get("chat_template")
+  if isinstance(src, list):  # [{"name": "default", "template": ...}, ...]
+    src = next((t["template"] for t in src if t.get("name") == "default"), None)
+  jinja = os.path.join(folder, "chat_template.jinja")
+  if src is None and os.path.exists(jinja):
+    with open(jinja, encoding="utf-8") as f:
+      src = f.read()
+  if not src:
+    raise ValueError(f"load_chat_template: no 'chat_template' in {folder}/tokenizer_config.json nor {jinja}; "
+                     "use --template=chatml/plain")
 
-  def render(self, messages) -> str:
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    from jinja2.exceptions import TemplateError
+  def raise_exception(message):
+    raise TemplateError(message)
 
-    def raise_exception(message):
-      raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, separators=None, sort_keys=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
-    return env.from_string(self.source).render(messages=messages, add_generation_prompt=True,
-                                               bos_token=self.bos_token, eos_token=self.eos_token)
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+  env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, separators=None, sort_keys=False: json.dumps(
+      x, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+  env.globals.update(raise_exception=raise_exception, strftime_now=time.strftime)
+  template, bos, eos = env.from_string(src), _special_token(cfg, "bos_token"), _special_token(cfg, "eos_token")
+  return lambda messages: template.render(messages=messages, add_generation_prompt=True, bos_token=bos or "",
+                                          eos_token=eos or "")
 
 
 def _read_json(folder, name) -> dict:
@@ -122,24 +130,6 @@ def _special_token(cfg, field):
   """A special token's text from an HF config: a plain string or an AddedToken dict {"content": ...}."""
   t = cfg.get(field)
   return t.get("content") if isinstance(t, dict) else t
-
-
-def load_chat_template(path) -> ChatTemplate:
-  """`path`: a checkpoint dir (or a file inside it) with tokenizer_config.json holding "chat_template"
-  (or a chat_template.jinja file, as newer transformers write)."""
-  folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-  cfg = _read_json(folder, "tokenizer_config.json")
-  src = cfg.get("chat_template")
-  if isinstance(src, list):  # [{"name": "default", "template": ...}, ...]
-    src = next((t["template"] for t in src if t.get("name") == "default"), None)
-  jinja = os.path.join(folder, "chat_template.jinja")
-  if src is None and os.path.exists(jinja):
-    with open(jinja, encoding="utf-8") as f:
-      src = f.read()
-  if not src:
-    raise ValueError(f"load_chat_template: no 'chat_template' in {folder}/tokenizer_config.json nor {jinja}; "
-                     "use --template=chatml/plain")
-  return ChatTemplate(src, _special_token(cfg, "bos_token") or "", _special_token(cfg, "eos_token") or "")
 
 
 # ------------------------------------------------------------------------------------------- jsonl datasets
@@ -519,7 +509,7 @@ def verify(problem: Problem, completion: str, limits: SandboxLimits = SandboxLim
   return TASKS[problem.task].verify(problem, completion, limits, strict_math)
 
 
-def _pool_worker(conn, limits, tmp_dir, strict_math=True):
+def _pool_worker(conn, limits, tmp_dir, strict_math):
   # Runs in a spawned process: scores jobs until the pipe closes. Exceptions score 0 and are reported.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   tempfile.tempdir = tmp_dir  # sandbox dirs of a killed worker are then removed by the pool
