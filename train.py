@@ -71,7 +71,7 @@ def define_flags():
   # Data.
   flags.DEFINE_string("task", "arithmetic", "Built-in task when --train_jsonl is not given. Default arithmetic.")
   flags.DEFINE_string("task_args", "", "The built-in task's own options, name=value,... e.g. difficulty=2,ops=+ "
-                      "(its generate in tasks/). Default empty: the task's defaults.")
+                      "(its generate in tasks/). Default empty: the task's own (arithmetic: difficulty=3,ops=+-).")
   flags.DEFINE_string("train_jsonl", None, "jsonl prompt file (id, prompt, answer[, task, tests]). Default none.")
   flags.DEFINE_integer("train_size", 8000, "Number of built-in training problems generated. Default 8000.")
   flags.DEFINE_string("jsonl_shape", "auto", "Record shape of --train_jsonl (data.load_jsonl): auto, prompt, "

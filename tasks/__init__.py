@@ -5,9 +5,9 @@ A task is a `Task`:
       processes; limits (the code sandbox's SandboxLimits) and strict_math (math's extraction rule) are the
       pool's settings, which a task may ignore.
   reference(problem) -> the SFT warm-start target (the caller appends eos), or None where there is none.
-  generate(seed, **task_args) -> an endless iterator of (prompt, answer) draws (None: a failed draw), deterministic
-      in its arguments; task_args are the task's own options (--task_args=difficulty=2,ops=+). None: the task's
-      problems come from jsonl files only.
+  generate(seed, **task_args) -> an endless iterator of (prompt, answer) draws (None: a failed draw), from a random
+      stream the task seeds with `seed` (a string: the run's seed and the split) and its task_args, its own
+      options (--task_args=difficulty=2,ops=+). None: the task's problems come from jsonl files only.
 data.make_task_problems keeps distinct draws of the requested split: a problem is held out iff sha256(prompt)
 falls in a fixed 20% bucket, so held-out problems never appear in training, whatever seeds or sizes are used.
 
