@@ -93,8 +93,8 @@ parse_local_flags() {
 }
 
 # Defaults of the built-in demo: one place, so that RESULTS.md numbers come from exactly these settings.
-DEMO_TASK=arithmetic DEMO_DIFFICULTY=2 DEMO_OPS=+  # the task (a name in data.TASKS) for training and the held-out eval
-DEMO_TASK_FLAGS=("--task=$DEMO_TASK" "--difficulty=$DEMO_DIFFICULTY" "--ops=$DEMO_OPS")
+DEMO_TASK=arithmetic DEMO_TASK_ARGS=difficulty=2,ops=+  # the task (tasks.TASKS) and its options: training and eval
+DEMO_TASK_FLAGS=("--task=$DEMO_TASK" "--task_args=$DEMO_TASK_ARGS")
 # The base is SFT on a flawed teacher (--sft_slip: 90% of its answers end one too high) trained until it imitates it
 # (1600 steps of 128): it lands at ~10-20% pass@1 whatever the seed, and GRPO with the exact-answer verifier must
 # unlearn the habit. A short SFT on a perfect teacher instead lands wherever a seed's loss plateau ends (issue 14);
@@ -103,7 +103,7 @@ DEMO_TASK_FLAGS=("--task=$DEMO_TASK" "--difficulty=$DEMO_DIFFICULTY" "--ops=$DEM
 DEMO_SFT_FLAGS=(--sft_steps=1600 --sft_batch=128 --sft_lr=3e-3 --sft_slip=0.9)
 DEMO_RL_FLAGS=(--algo=grpo --steps=400 --prompts_per_step=16 --group_size=8 --lr=3e-4 --dynamic_sampling
                 --checkpoint_every=10)
-DEMO_EVAL_FLAGS=("--eval_task=$DEMO_TASK" "--eval_difficulty=$DEMO_DIFFICULTY" "--eval_ops=$DEMO_OPS" --eval_n=500 --k=8 --temperature=1.0)
+DEMO_EVAL_FLAGS=("--eval_task=$DEMO_TASK" "--eval_task_args=$DEMO_TASK_ARGS" --eval_n=500 --k=8 --temperature=1.0)
 # Defaults for a real model (--init_checkpoint and/or --train_jsonl): the demo's lr 3e-4 / dynamic
 # sampling would wreck a pretrained LLM. lr 1e-6 is the usual GRPO learning rate for 0.5B-32B models (DAPO, Dr.GRPO
 # recipes use 1e-6); flags after "--" override any of these (absl takes the last value of a repeated flag).

@@ -642,9 +642,8 @@ def define_flags():
                        "the worker treats itself as broken and exits (count). Default 8.")
   # Eval mode.
   flags.DEFINE_string("eval_task", "arithmetic", "Built-in task for eval (ignored with --eval_jsonl). Default arithmetic.")
-  flags.DEFINE_integer("eval_difficulty", 3, "Built-in task difficulty for eval. Default 3.")
-  flags.DEFINE_string("eval_ops", None, "Operators of the built-in eval task, e.g. + (data.make_task_problems). "
-                      "Default none: the task's own.")
+  flags.DEFINE_string("eval_task_args", "", "The built-in eval task's own options, name=value,... e.g. "
+                      "difficulty=2,ops=+ (as train.py --task_args). Default empty: the task's defaults.")
   flags.DEFINE_string("eval_jsonl", None, "Held-out jsonl prompts instead of a built-in task. Default none.")
   flags.DEFINE_integer("eval_n", 200, "Number of held-out problems. Default 200.")
   flags.DEFINE_integer("k", 8, "Samples per problem; reports pass@1 and pass@k. Default 8.")
@@ -654,13 +653,21 @@ def define_flags():
   positive = lambda v: math.isfinite(v) and v > 0  # noqa: E731
   for name, ok, rule in (
       ("slots", at_least(1), ">= 1"), ("chunk_steps", at_least(1), ">= 1"), ("max_prompt_len", at_least(1), ">= 1"),
-      ("verifier_workers", at_least(0), ">= 0 (0 = inline)"), ("eval_difficulty", at_least(1), ">= 1"),
+      ("verifier_workers", at_least(0), ">= 0 (0 = inline)"),
       ("eval_n", at_least(1), ">= 1"), ("k", at_least(1), ">= 1"),
       ("temperature", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0 (0 = greedy)"),
       ("lease_s", positive, "finite and > 0"),
       ("drain_s", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
       ("verifier_timeout_s", positive, "finite and > 0")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
+  flags.register_multi_flags_validator(["eval_task", "eval_task_args", "eval_jsonl"], check_eval_task_flags, message="")
+
+
+def check_eval_task_flags(f):
+  """--eval_task_args must suit --eval_task (unless --eval_jsonl replaces it): refused at parse time."""
+  if not f["eval_jsonl"] and (err := data.task_args_error(f["eval_task"], f["eval_task_args"])):
+    raise flags.ValidationError(err)
+  return True
 
 
 def _client(token):
@@ -967,8 +974,8 @@ def run_eval():
   if FLAGS.eval_jsonl:
     problems = data.load_jsonl(FLAGS.eval_jsonl)[:FLAGS.eval_n]
   else:
-    problems = data.make_task_problems(FLAGS.eval_task, FLAGS.eval_n, FLAGS.eval_difficulty, seed=1234,
-                                       split="eval", ops=FLAGS.eval_ops)
+    problems = data.make_task_problems(FLAGS.eval_task, FLAGS.eval_n, seed=1234, split="eval",
+                                       **data.parse_task_args(FLAGS.eval_task_args))
   sc = SamplingConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.max_new_tokens, tuple(sorted(tok.stop_ids)))
   chat = data.load_chat_template(FLAGS.tokenizer) if FLAGS.template == "hf" else None
   with data.VerifierPool(0, strict_math=FLAGS.math_strict) as pool:  # inline: eval scores in this process

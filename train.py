@@ -70,9 +70,8 @@ def define_flags():
   flags.DEFINE_string("init_checkpoint", None, "HF checkpoint dir of the initial policy (rl mode). Required for rl.")
   # Data.
   flags.DEFINE_string("task", "arithmetic", "Built-in task when --train_jsonl is not given. Default arithmetic.")
-  flags.DEFINE_integer("difficulty", 3, "Built-in task difficulty. Default 3.")
-  flags.DEFINE_string("ops", None, "Operators of the built-in task, e.g. + or +-* (data.make_task_problems). Default "
-                      "none: the task's own (arithmetic +-, countdown +-*).")
+  flags.DEFINE_string("task_args", "", "The built-in task's own options, name=value,... e.g. difficulty=2,ops=+ "
+                      "(its generate in tasks/). Default empty: the task's own (arithmetic: difficulty=3,ops=+-).")
   flags.DEFINE_string("train_jsonl", None, "jsonl prompt file (id, prompt, answer[, task, tests]). Default none.")
   flags.DEFINE_integer("train_size", 8000, "Number of built-in training problems generated. Default 8000.")
   flags.DEFINE_string("jsonl_shape", "auto", "Record shape of --train_jsonl (data.load_jsonl): auto, prompt, "
@@ -161,7 +160,7 @@ def define_flags():
       ("max_nonfinite_steps", at_least(1), ">= 1"),
       ("checkpoint_every", at_least(1), ">= 1"), ("keep_checkpoints", at_least(1), ">= 1"),
       ("warmup_steps", at_least(0), ">= 0"), ("sft_steps", at_least(1), ">= 1"), ("sft_batch", at_least(1), ">= 1"),
-      ("train_size", at_least(1), ">= 1"), ("difficulty", at_least(1), ">= 1"),
+      ("train_size", at_least(1), ">= 1"),
       ("temperature", positive, "finite and > 0"), ("lr", positive, "finite and > 0"),
       ("sft_lr", positive, "finite and > 0"), ("get_wait_s", positive, "finite and > 0"),
       ("rollout_lease_s", positive, "finite and > 0"), ("grad_clip", positive, "finite and > 0"),
@@ -170,6 +169,7 @@ def define_flags():
       ("value_clip", nonneg, "finite and >= 0 (0 = off)"), ("export_every", at_least(0), ">= 0 (0 = off)"),
       ("curate_prompts", at_least(0), ">= 0 (0 = off)")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
+  flags.register_multi_flags_validator(["task", "task_args", "train_jsonl"], check_task_flags, message="")
   flags.register_validator("pass_band", lambda v: parse_band(v) is not None or not v,
                            message="--pass_band must be 'low,high' with 0 <= low < high <= 1, or empty (off)")
   flags.register_multi_flags_validator(
@@ -179,6 +179,14 @@ def define_flags():
       ["group_size", "dynamic_sampling"], lambda f: f["group_size"] >= 2 or not f["dynamic_sampling"],
       message="--dynamic_sampling needs --group_size >= 2 (a group of 1 always has zero variance: every group "
               "would be dropped and the trainer would wait forever)")
+
+
+
+def check_task_flags(f):
+  """--task_args must suit --task (unless --train_jsonl replaces the built-in task): refused at parse time."""
+  if not f["train_jsonl"] and (err := data.task_args_error(f["task"], f["task_args"])):
+    raise flags.ValidationError(err)
+  return True
 
 
 # --- Setup -----------------------------------------------------------------------------------------------------------
@@ -214,8 +222,8 @@ def training_prompts(cfg, tok, flags_file):
   chat = data.load_chat_template(FLAGS.tokenizer) if FLAGS.template == "hf" else None
   encode = lambda p: tok.encode(data.render_prompt(p, FLAGS.template, chat_template=chat), add_bos=True)  # noqa: E731
   problems = (data.load_jsonl(FLAGS.train_jsonl, FLAGS.jsonl_shape) if FLAGS.train_jsonl else
-              data.make_task_problems(FLAGS.task, FLAGS.train_size, FLAGS.difficulty, seed=FLAGS.seed, split="train",
-                                      ops=FLAGS.ops))
+              data.make_task_problems(FLAGS.task, FLAGS.train_size, seed=FLAGS.seed, split="train",
+                                      **data.parse_task_args(FLAGS.task_args)))
   budget = min(FLAGS.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
   problems, skipped, max_prompt = data.fit_prompts(problems, encode, FLAGS.max_new_tokens, budget)
   if not problems:

@@ -87,7 +87,7 @@ def main(argv):
     srv = ps.Server(ps.ServerConfig(port=0, token="t")).start()
     client = ps.Client("127.0.0.1", srv.port, token="t")
     train.publish_shards([client], 0, params, meta)
-    problems = data.make_task_problems("arithmetic", 8, 2, seed=0, split="train", ops="+")
+    problems = data.make_task_problems("arithmetic", 8, difficulty=2, seed=0, split="train", ops="+")
     cache = os.path.join(tmp, "jax_cache")
     one_rejoin(client, srv.port, token_file, tok_path, tok, problems, cache, "fill")  # the worker before the restart
     res = {"no cache": [], "warm cache": []}

@@ -1,5 +1,6 @@
-"""Tests for data.py: tokenizer, jsonl datasets, prompt stream, built-in tasks, verifiers (incl. adversarial
-code), verifier pool, curation, batching. Run: python -m pytest -q tests/test_data.py"""
+"""Tests for data.py and tasks/: tokenizer, jsonl datasets, prompt stream, built-in tasks, verifiers (incl.
+adversarial code in the sandbox), verifier pool, pass rates, batching. Run: python -m pytest -q tests/test_data.py"""
+import dataclasses
 import json
 import os
 import shutil
@@ -12,7 +13,9 @@ import numpy as np
 import pytest
 
 import data
+import tasks
 from data import Problem
+from tasks import sandbox
 
 
 # ----------------------------------------------------------------------------------------------- tokenizer
@@ -29,8 +32,7 @@ def test_task_tokenizer_digits_roundtrip_specials(task_tok_dir, task):
   assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 2, 3)
   assert tok.vocab_size <= 64
   # Every digit is its own piece, whatever the digits' neighbours.
-  pieces = tok.pieces("9081726354")
-  assert pieces == list("9081726354")
+  assert [tok.decode([i]) for i in tok.encode("9081726354")] == list("9081726354")
   for p in data.make_task_problems(task, 50, difficulty=3, seed=5, split="eval"):
     for text in (p.prompt, p.answer, p.prompt + p.answer):
       ids = tok.encode(text)
@@ -54,14 +56,11 @@ def test_task_tokenizer_deterministic_and_reused(tmp_path):
     data.build_task_tokenizer(tmp_path, "poetry")
 
 
-def test_train_tokenizer_byte_fallback_and_checkpoint_dir(tmp_path):
-  texts = [f"the answer to question {i} is {i * 7}." for i in range(300)]
-  path = data.train_tokenizer(texts, tmp_path / "ckpt" / "tokenizer.model", vocab_size=300)
-  assert os.path.getsize(path) > 0
+def test_sentencepiece_checkpoint_dir(tmp_path):
+  (tmp_path / "ckpt").mkdir()
+  shutil.copy(data.build_task_tokenizer(tmp_path, "arithmetic"), tmp_path / "ckpt" / "tokenizer.model")
   tok = data.load_tokenizer(tmp_path / "ckpt")  # a checkpoint dir with tokenizer.model
-  s = "answer is 42 — naïve ✓"  # characters never seen in training come back through byte pieces
-  assert tok.decode(tok.encode(s)) == s
-  assert all(p.isdigit() for p in tok.pieces("31415") if p.strip("▁"))
+  assert tok.decode(tok.encode("12+345=357")) == "12+345=357"
   with pytest.raises(ValueError, match="neither"):
     data.load_tokenizer(tmp_path)
 
@@ -109,13 +108,18 @@ def test_reference_completion_and_list_tests():
 
 
 def test_a_new_task_is_one_tasks_entry(monkeypatch, tmp_path):
-  # A toy task defined only by its TASKS entry: generation, the eval split, jsonl, verify, SFT reference and the
-  # built-in tokenizer all pick it up by name.
-  double = data.Task(lambda p, c, *_: float(c.strip() == p.answer), lambda p: p.answer, ops="x", default_ops="x",
-                     generate=lambda rng, d, ops, m: (f"{(v := rng.randint(0, 10 ** d))}x2=", str(2 * v)),
-                     tokenizer_levels=(3,), alphabet="0123456789x=")
-  monkeypatch.setitem(data.TASKS, "double", double)
-  tr, ev = (data.make_task_problems("double", 20, difficulty=3, split=s) for s in ("train", "eval"))
+  # A toy task defined only by its TASKS entry (and its tokenizer corpus): generation with its own args, the eval
+  # split, jsonl, verify, SFT reference and the built-in tokenizer all pick it up by name.
+  def generate(seed, digits=2):
+    rng = __import__("random").Random(seed)
+    while True:
+      v = rng.randint(0, 10 ** digits)
+      yield f"{v}x2=", str(2 * v)
+
+  double = tasks.Task(lambda p, c, *_: float(c.strip() == p.answer), lambda p: p.answer, generate)
+  monkeypatch.setitem(tasks.TASKS, "double", double)
+  monkeypatch.setitem(tasks.TOKENIZER_CORPUS, "double", ("0123456789x=", [dict(digits=3)]))
+  tr, ev = (data.make_task_problems("double", 20, digits=3, split=s) for s in ("train", "eval"))
   assert not {p.prompt for p in tr} & {p.prompt for p in ev} and all(p.task == "double" for p in tr + ev)
   assert all(data.verify(p, data.reference_completion(p)) == 1.0 and data.verify(p, "1") == 0.0 for p in tr[:5])
   jsonl = tmp_path / "d.jsonl"
@@ -123,15 +127,21 @@ def test_a_new_task_is_one_tasks_entry(monkeypatch, tmp_path):
   assert data.verify(data.load_jsonl(jsonl)[0], " 8\n") == 1.0
   tok = data.load_tokenizer(data.build_task_tokenizer(tmp_path, "double"))
   assert tok.decode(tok.encode(tr[0].prompt + tr[0].answer)) == tr[0].prompt + tr[0].answer
-  with pytest.raises(ValueError, match="'arithmetic' or 'countdown' or 'double'"):
+  with pytest.raises(ValueError, match="'arithmetic', 'countdown', 'double'"):
     data.make_task_problems("math", 3)
+  with pytest.raises(ValueError, match="difficulty"):  # an arg the task does not take
+    data.make_task_problems("double", 3, difficulty=3)
+  assert data.parse_task_args("digits=3,op=+") == {"digits": 3, "op": "+"} and data.parse_task_args("") == {}
+  assert data.task_args_error("double", "digits=1") is None and "digits" in data.task_args_error("double", "digits")
+  assert "difficulty" in data.task_args_error("arithmetic", "difficulty=0")
 
 
 def test_render_prompt():
   p = Problem("1", "12+3=", "15", "arithmetic")
   assert data.render_prompt(p) == "12+3="
   assert data.render_prompt(p, "chatml") == "<|im_start|>user\n12+3=<|im_end|>\n<|im_start|>assistant\n"
-  assert data.render_prompt(p, "chatml", system="Be brief.").startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+  assert data.render_prompt(Problem("1", "12+3=", "15", system="Be brief."), "chatml").startswith(
+      "<|im_start|>system\nBe brief.<|im_end|>\n")
   with pytest.raises(ValueError, match="template"):
     data.render_prompt(p, "alpaca")
 
@@ -168,18 +178,6 @@ def test_jsonl_errors_name_file_and_line(tmp_path, line, match):
   with pytest.raises(ValueError, match=match) as e:
     data.load_jsonl(path)
   assert f"{path}:2:" in str(e.value)
-
-
-def test_split_deterministic_disjoint():
-  ps = [Problem(str(i), f"p{i}", "0") for i in range(50)]
-  tr, ev = data.split(ps, 0.2, seed=3)
-  assert len(ev) == 10 and len(tr) == 40
-  assert {p.id for p in tr} | {p.id for p in ev} == {p.id for p in ps} and not {p.id for p in tr} & {p.id for p in ev}
-  assert data.split(ps, 0.2, seed=3) == (tr, ev) and data.split(ps, 0.2, seed=4) != (tr, ev)
-  assert len(data.split(ps, 7)[1]) == 7
-  for bad in (0.0, 1.0, 0, 50, "x"):
-    with pytest.raises(ValueError, match="held_out"):
-      data.split(ps, bad)
 
 
 def test_prompt_stream_epochs_and_exact_resume():
@@ -255,18 +253,11 @@ def test_countdown_verifier():
 
 
 def test_math_verifier():
-  eq = data.math_answer_equal
-  ex = data.extract_answer
+  ex = tasks.math_answer.extract_answer
   assert ex("so \\boxed{3} hmm, no: \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
   assert ex("\\boxed{\\frac{a}{\\sqrt{b}}} done") == "\\frac{a}{\\sqrt{b}}"
   assert ex("We get 12 apples.\nThe answer is 1,234.") == "1,234."
   assert ex("so 3 then 4\n x = -7.5") == "-7.5" and ex("no numbers") is None
-  for pred, ref in [("\\frac{1}{2}", "0.5"), ("1,234", "1234"), ("-3", "-3.0"), ("\\dfrac{-6}{4}", "-1.5"),
-                    ("-\\frac{3}{2}", "-1.5"), ("\\frac12", "1/2"), ("$x = 5$", "5"), ("50\\%", "50"),
-                    ("1,234,567.5", "1234567.5"), ("\\left( 3, 4 \\right)", "(3,4)"), ("1e3", "1000")]:
-    assert eq(pred, ref), (pred, ref)
-  for pred, ref in [("0.333", "1/3"), ("1,23", "123"), ("-3", "3"), ("\\frac{1}{0}", "0"), (None, "1"), ("", "")]:
-    assert not eq(pred, ref), (pred, ref)
   p = Problem("m", "?", "\\boxed{\\frac{1}{2}}", "math")
   assert data.verify(p, "First \\boxed{2}. Wait, actually \\boxed{0.5}") == 1.0  # the last box wins
   assert data.verify(p, "First \\boxed{0.5}. Wait, actually \\boxed{2}") == 0.0
@@ -276,11 +267,11 @@ def test_math_verifier():
 
 # -------------------------------------------------------------------------------------------- code sandbox
 
-FAST = data.SandboxLimits(wall_s=3.0, cpu_s=2, mem_mb=256, output_bytes=1 << 16)
+FAST = sandbox.SandboxLimits(wall_s=3.0, cpu_s=2, mem_mb=256, output_bytes=1 << 16)
 
 
 def run(code, tests=(("", "ok"),), limits=FAST):
-  return data.run_code(code, tests, limits)
+  return sandbox.run_code(code, tests, limits)
 
 
 def test_code_passes_and_fails():
@@ -338,7 +329,7 @@ def test_code_fork_bomb_guarded():
   assert time.monotonic() - t < 3 * FAST.wall_s
   # Without the audit hook the OS layer (RLIMIT_NPROC=0 for a non-root uid) still refuses to fork.
   r = run("import os\ntry:\n  os.fork()\n  print('forked')\nexcept OSError:\n  print('ok')",
-          limits=data.dataclasses.replace(FAST, audit_hook=False))
+          limits=dataclasses.replace(FAST, audit_hook=False))
   assert r.passed, r
 
 
@@ -404,7 +395,7 @@ def test_code_known_tricks_score_zero(hook):
   os.chmod(outside, 0o777)  # writable by anyone: only the sandbox, not file permissions, can stop the writes
   site_dir = tempfile.mkdtemp(prefix="sandbox-site-")
   os.chmod(site_dir, 0o777)  # stands for a writable site-packages
-  limits = data.dataclasses.replace(FAST, audit_hook=hook)
+  limits = dataclasses.replace(FAST, audit_hook=hook)
   try:
     for name, (code, tests) in _tricks(outside, site_dir).items():
       if not hook and name in ("dir_fd_escape", "pth_into_site", "symlink_out_then_write", "proc_self_cwd_dotdot",
@@ -431,7 +422,7 @@ def test_code_no_network():
     probe = (f"try:\n  import socket\n  socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
              f"  print('connected')\nexcept (ImportError, OSError):\n  print('ok')")
     assert run(probe).passed
-    no_hook = run(probe, limits=data.dataclasses.replace(FAST, audit_hook=False))
+    no_hook = run(probe, limits=dataclasses.replace(FAST, audit_hook=False))
     if "net=unshared" not in no_hook.sandbox:
       pytest.skip(f"kernel refused a network namespace ({no_hook.sandbox}); the audit hook is the only net guard")
     assert no_hook.passed, no_hook  # the network namespace alone blocks it
@@ -455,7 +446,7 @@ def _procs_with_cwd_under(folder):
 def test_verifier_pool_scores_and_survives_timeouts():
   probs = data.make_task_problems("arithmetic", 3, difficulty=2, seed=0)
   slow = Problem("slow", "?", "", "code", (("", "never"),))
-  with data.VerifierPool(max_workers=2, timeout_s=2.0, limits=data.SandboxLimits(wall_s=60, cpu_s=60)) as pool:
+  with data.VerifierPool(max_workers=2, timeout_s=2.0, limits=sandbox.SandboxLimits(wall_s=60, cpu_s=60)) as pool:
     t = time.monotonic()
     scores = pool.score(probs + [slow] + probs, [p.answer for p in probs] + ["while True: pass"] + ["0", "1", "2"])
     elapsed = time.monotonic() - t
@@ -477,49 +468,36 @@ def test_verifier_pool_scores_and_survives_timeouts():
   assert data.VerifierPool(max_workers=0).score(probs, [p.answer for p in probs]) == [1.0, 1.0, 1.0]
 
 
-# ------------------------------------------------------------------------------------------------- curation
+# ----------------------------------------------------------------------------------------------- pass rates
 
-def test_offline_curation(tmp_path):
+def test_filter_by_pass_rate_and_curated_jsonl(tmp_path):
   probs = data.make_task_problems("arithmetic", 6, difficulty=2, seed=0)
-  solved = {p.id: i for i, p in enumerate(probs)}  # problem i is solved by min(i, 4) of 4 samples
-
-  def sample_fn(batch, k):
-    return [[p.answer if j < solved[p.id] else "x" for j in range(k)] for p in batch]
-
-  rates = data.estimate_pass_rates(probs, sample_fn, k=4, batch_size=4)
-  assert [rates[p.id] for p in probs] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+  rates = dict(zip((p.id for p in probs), [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]))
   assert data.filter_by_pass_rate(probs, rates) == probs[1:4]
   assert data.filter_by_pass_rate(probs, rates, 0.3, 0.8) == probs[2:4]
-  kept, _ = data.curate(probs, sample_fn, 4, tmp_path / "c.jsonl", low=0.0, high=1.0)
-  assert data.load_jsonl(tmp_path / "c.jsonl") == kept == probs[1:4]
+  data.write_jsonl(tmp_path / "c.jsonl", probs[1:4], rates)
+  assert data.load_jsonl(tmp_path / "c.jsonl") == probs[1:4]
   with pytest.raises(ValueError, match="no pass rate"):
     data.filter_by_pass_rate(probs, {})
-  with pytest.raises(ValueError, match="lists of 4"):
-    data.estimate_pass_rates(probs, lambda b, k: [["x"] * (k - 1) for _ in b], k=4)
 
 
-def test_pass_rate_tracker_and_dynamic_sampling():
+def test_pass_rate_tracker():
   t = data.PassRateTracker(ema=0.5)
   t.update("a", [1, 0, 0, 0])
   t.update("a", [1, 1, 1, 1])
   t.update("b", [0, 0])
   assert t.rate("a") == 5 / 8 and t.ema_rate("a") == 0.5 * 0.25 + 0.5 * 1.0 and t.rate("zz") is None
-  assert t.summary() == {"prompts": 2, "mean_rate": (5 / 8) / 2, "frac_always": 0.0, "frac_never": 0.5}
   r = data.PassRateTracker()
   r.load_state_dict(json.loads(json.dumps(t.state_dict())))
   assert r.stats == t.stats and r.ema == 0.5
-  groups = [[1, 1, 1], [0, 0, 0], [0, 1, 0], [0.5, 0.5000001], []]
-  assert data.dynamic_sampling_filter(groups) == [[0, 1, 0]]
-  objs = [{"r": [1, 0]}, {"r": [1, 1]}]
-  assert data.dynamic_sampling_filter(objs, key=lambda g: g["r"]) == objs[:1]
 
 
 # ------------------------------------------------------------------------------------------------- batching
 
 def test_make_batch_alignment():
-  b = data.make_batch([[2, 10, 11], [2, 12]], [[20, 21, 3], [22]], buckets=(4, 8), pad_id=0, batch_size=3,
+  b = data.make_batch([[2, 10, 11], [2, 12]], [[20, 21, 3], [22]], buckets=(8, 4), pad_id=0,
                       completion_extras={"logp": [[-1.0, -2.0, -3.0], [-4.0]]})
-  assert b["tokens"].shape == (3, 8) and b["tokens"].dtype == np.int32
+  assert b["tokens"].shape == (2, 8) and b["tokens"].dtype == np.int32
   np.testing.assert_array_equal(b["tokens"][0], [2, 10, 11, 20, 21, 3, 0, 0])
   np.testing.assert_array_equal(b["targets"][0], [10, 11, 20, 21, 3, 0, 0, 0])
   np.testing.assert_array_equal(b["loss_mask"][0], [0, 0, 1, 1, 1, 0, 0, 0])
@@ -528,43 +506,13 @@ def test_make_batch_alignment():
   np.testing.assert_array_equal(b["loss_mask"][1], [0, 1, 0, 0, 0, 0, 0, 0])
   np.testing.assert_array_equal(b["positions"][1], [0, 1, 2, 0, 0, 0, 0, 0])
   np.testing.assert_array_equal(b["segment_ids"][1], [1, 1, 1, 0, 0, 0, 0, 0])
-  assert not b["segment_ids"][2].any() and not b["loss_mask"][2].any()  # padding row
-  np.testing.assert_array_equal(b["prompt_lens"], [3, 2, 0])
-  np.testing.assert_array_equal(b["completion_lens"], [3, 1, 0])
   # Every masked target is the completion token it should be.
   m = b["loss_mask"] > 0
   assert b["targets"][0][m[0]].tolist() == [20, 21, 3]
-  assert data.pad_to_bucket(5, (4, 8)) == 8 and data.pad_to_bucket(4, (8, 4)) == 4
+  assert data.make_batch([[1, 2]], [[3, 4]], buckets=(8, 4))["tokens"].shape == (1, 4)  # the smallest that fits
   with pytest.raises(ValueError, match="largest bucket"):
     data.make_batch([[1] * 9], [[2]], buckets=(4, 8))
   with pytest.raises(ValueError, match="empty prompt"):
-    data.make_batch([[]], [[2]])
+    data.make_batch([[]], [[2]], buckets=(8,))
   with pytest.raises(ValueError, match="completion tokens"):
-    data.make_batch([[1]], [[2, 3]], completion_extras={"logp": [[0.0]]})
-
-
-def test_pack_matches_padded_batch():
-  rng = np.random.default_rng(0)
-  prompts = [rng.integers(4, 50, rng.integers(1, 6)).tolist() for _ in range(9)]
-  comps = [rng.integers(4, 50, rng.integers(0, 6)).tolist() for _ in range(9)]
-  extras = {"logp": [rng.normal(size=len(c)).tolist() for c in comps]}
-  packed = data.pack(prompts, comps, seq_len=16, pad_id=0, completion_extras=extras)
-  padded = data.make_batch(prompts, comps, buckets=(16,), completion_extras=extras)
-  assert packed["tokens"].shape[0] < len(prompts)  # several sequences share a row
-  for i in range(len(prompts)):
-    r, s, L = packed["row"][i], packed["offset"][i], len(prompts[i]) + len(comps[i])
-    for key in ("tokens", "targets", "positions", "loss_mask", "logp"):
-      got = packed[key][r, s:s + L].copy()
-      if key == "targets":
-        got[-1] = 0  # the segment's last target is pad in both layouts
-      np.testing.assert_array_equal(got, padded[key][i, :L], err_msg=f"{key} seq {i}")
-    assert len(set(packed["segment_ids"][r, s:s + L].tolist())) == 1
-  # Segment ids within each row are 1..k in order; padding is 0.
-  for row in packed["segment_ids"]:
-    nz = row[row > 0]
-    assert (np.diff(nz) >= 0).all() and nz[0] == 1 and not row[len(nz):].any()
-  assert packed["loss_mask"].sum() == sum(len(c) for c in comps)
-  with pytest.raises(ValueError, match="only 1 allowed"):
-    data.pack(prompts, comps, seq_len=16, num_rows=1)
-  with pytest.raises(ValueError, match="seq_len"):
-    data.pack([[1] * 20], [[2]], seq_len=16)
+    data.make_batch([[1]], [[2, 3]], buckets=(8,), completion_extras={"logp": [[0.0]]})

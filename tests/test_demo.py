@@ -45,7 +45,7 @@ def test_pass_band_parsing_and_online_filter():
 
 
 def test_stream_peek_is_what_will_be_issued_and_does_not_advance():
-  s = data.PromptStream(data.make_task_problems("arithmetic", 5, 1, seed=0, ops="+"), seed=3)
+  s = data.PromptStream(data.make_task_problems("arithmetic", 5, difficulty=1, seed=0, ops="+"), seed=3)
   s.take(3)
   ahead = s.peek(4)  # crosses the epoch boundary
   assert [p.id for p in s.take(4)] == [p.id for p in ahead]

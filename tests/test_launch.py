@@ -90,7 +90,7 @@ def base_and_tokenizer(tmp_path):
   return os.path.join(src, "base"), tok_path
 
 
-TRAIN = ["--prompts_per_step=2", "--group_size=4", "--difficulty=1", "--ops=+-", "--checkpoint_every=1",
+TRAIN = ["--prompts_per_step=2", "--group_size=4", "--task_args=difficulty=1,ops=+-", "--checkpoint_every=1",
          "--get_wait_s=0.5", "--train_size=100", "--prefetch_steps=1", "--mesh=-1,1,1"]
 WORKER = "--slots=8 --chunk_steps=4 --verifier_workers=0 --lease_s=10"
 
@@ -194,8 +194,8 @@ def real_inputs(tmp_path):
   """A tiny random HF checkpoint + its tokenizer + train/eval jsonl files (arithmetic problems as a user's data)."""
   ckpt, tok = base_and_tokenizer(tmp_path)
   train, ev = str(tmp_path / "train.jsonl"), str(tmp_path / "eval.jsonl")
-  data.write_jsonl(train, data.make_task_problems("arithmetic", 60, 1, seed=0, split="train", ops="+-"))
-  data.write_jsonl(ev, data.make_task_problems("arithmetic", 8, 1, seed=1, split="eval", ops="+-"))
+  data.write_jsonl(train, data.make_task_problems("arithmetic", 60, difficulty=1, seed=0, split="train", ops="+-"))
+  data.write_jsonl(ev, data.make_task_problems("arithmetic", 8, difficulty=1, seed=1, split="eval", ops="+-"))
   return ckpt, tok, train, ev
 
 

@@ -100,7 +100,7 @@ def server():
 
 def collector(server, **kw):
   c = ps.Client(port=server.port, token="t", timeout_s=5.0)
-  problems = data.make_task_problems("arithmetic", 40, 2, seed=0, ops="+")
+  problems = data.make_task_problems("arithmetic", 40, difficulty=2, seed=0, ops="+")
   args = dict(group_size=2, prefetch_steps=2, lease_s=30.0, wait_s=0.05, max_staleness=1, dynamic_sampling=True,
               band=None)
   args.update(kw)

@@ -156,7 +156,8 @@ def test_bad_sampling_config_is_rejected():
 
 
 def test_eval_cli_draws_the_requested_operators(tmp_path):
-  """rollout.py --mode=eval --eval_ops=+ evaluates on addition problems only; a bad operator is a clear error."""
+  """rollout.py --mode=eval --eval_task_args=...,ops=+ evaluates on addition problems only; a bad operator is a clear
+  error."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   tok_path = data.build_task_tokenizer(str(tmp_path), "arithmetic", seed=0)
   tok = data.load_tokenizer(tok_path)
@@ -170,8 +171,8 @@ def test_eval_cli_draws_the_requested_operators(tmp_path):
 
   def run(ops, out):
     cmd = [sys.executable, os.path.join(root, "rollout.py"), "--mode=eval", f"--checkpoint={tmp_path / 'ckpt'}",
-           f"--tokenizer={tok_path}", "--eval_task=arithmetic", "--eval_difficulty=2", "--eval_n=10", "--k=1",
-           "--max_new_tokens=4", f"--out={out}", *([f"--eval_ops={ops}"] if ops else [])]
+           f"--tokenizer={tok_path}", "--eval_task=arithmetic", "--eval_n=10", "--k=1", "--max_new_tokens=4",
+           f"--out={out}", f"--eval_task_args=difficulty=2{',ops=' + ops if ops else ''}"]
     return subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
 
   for ops in ("+", None):

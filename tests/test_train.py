@@ -186,7 +186,7 @@ def _sft(run_dir, tok_path, extra=()):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--mode=sft", f"--run_dir={run_dir}",
-         f"--tokenizer={tok_path}", "--sft_steps=3", "--sft_batch=8", "--difficulty=1", "--train_size=50",
+         f"--tokenizer={tok_path}", "--sft_steps=3", "--sft_batch=8", "--task_args=difficulty=1", "--train_size=50",
          "--model_config=d_model=32,n_layers=1,n_heads=2,n_kv_heads=1,ffw_dim=64", *extra]
   return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -28,6 +28,10 @@ BAD_FLAGS = [
     ("train", ["--pass_band=0.6,0.4"], "--pass_band must be 'low,high'"),
     ("train", ["--curate_prompts=64"], "--curate_prompts needs a --pass_band"),
     ("train", ["--sft_slip=1"], "--sft_slip must be in [0, 1)"),
+    ("train", ["--task_args=difficulty=0"], "arithmetic: difficulty must be an int >= 1, got 0"),
+    ("train", ["--task_args=colour=red"], "unexpected keyword argument 'colour'"),
+    ("train", ["--task=countdown", "--task_args=ops=+x"], "countdown: bad ops '+x'"),
+    ("train", ["--task=math"], "task must be one of ('arithmetic', 'countdown')"),
     ("rollout", ["--max_new_tokens=0"], "--max_new_tokens must be >= 1"),
     ("rollout", ["--slots=0"], "--slots must be >= 1"),
     ("rollout", ["--chunk_steps=0"], "--chunk_steps must be >= 1"),
@@ -35,7 +39,8 @@ BAD_FLAGS = [
     ("rollout", ["--lease_s=nan"], "--lease_s must be finite and > 0"),
     ("rollout", ["--verifier_timeout_s=0"], "--verifier_timeout_s must be finite and > 0"),
     ("rollout", ["--k=0"], "--k must be >= 1"),
-    ("rollout", ["--exact_logprobs", "--slots=1"], "--exact_logprobs needs --slots >= 2"),
+    ("rollout", ["--eval_task_args=difficulty=2,ops=/"], "arithmetic: bad ops '/'"),
+    ("rollout", ["--eval_task_args=difficulty"], "'difficulty' is not name=value"),
 ]
 
 _PROBE = r"""

@@ -1,0 +1,38 @@
+"""arithmetic: prompt "12+345=", completion "357" (then eos); answers may be negative ("3-15=" -> "-12").
+Reward: the canonical integer equal to the answer, surrounding whitespace tolerated."""
+import operator
+import random
+import re
+
+OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+# Every character arithmetic and countdown write: the built-in tokenizer learns each as a piece of its own.
+ALPHABET = "0123456789+-*/()=:> "
+# What data.build_task_tokenizer learns: ALPHABET, then generated problems with each of these task_args.
+TOKENIZER_CORPUS = (ALPHABET, [dict(difficulty=d, ops="+-*") for d in (2, 3, 4)])
+
+
+def generate(seed, difficulty=3, ops="+-"):
+  """difficulty: max digits per operand (each draws its digit count uniformly in 1..difficulty first, so short
+  operands are not swamped by long ones); ops: a non-empty subset of "+-*"."""
+  if not isinstance(difficulty, int) or difficulty < 1:
+    raise ValueError(f"arithmetic: difficulty must be an int >= 1, got {difficulty!r}")
+  if not ops or set(ops) - set("+-*"):
+    raise ValueError(f"arithmetic: bad ops {ops!r} (a non-empty subset of '+-*')")
+  rng = random.Random(f"arithmetic|{difficulty}|{ops}|10|{seed}")  # "10": the seed string's historical form
+  while True:
+    a, b, op = _operand(rng, difficulty), _operand(rng, difficulty), rng.choice(ops)
+    yield f"{a}{op}{b}=", str(OPS[op](a, b))
+
+
+def _operand(rng, digits):
+  nd = rng.randint(1, digits)
+  return rng.randint(0 if nd == 1 else 10 ** (nd - 1), 10 ** nd - 1)
+
+
+def verify(problem, completion, *_) -> float:
+  s = completion.strip()
+  return float(re.fullmatch(r"-?\d+", s) is not None and str(int(s)) == s and int(s) == int(problem.answer))
+
+
+def reference(problem):
+  return problem.answer
