@@ -19,7 +19,7 @@ STEPS = 8
 def launch_cmd(run, port):
   return ["bash", "launch.sh", "local", f"--run_dir={run}", f"--steps={STEPS}", f"--port={port}", "--skip_eval",
           "--no_chaos", "--workers=1", "--worker_args=--lease_s=6 --slots=8 --chunk_steps=4 --verifier_workers=0",
-          "--", "--prompts_per_step=2", "--group_size=4", "--checkpoint_every=100", "--difficulty=1", "--ops=+-",
+          "--", "--prompts_per_step=2", "--group_size=4", "--checkpoint_every=100", "--task_args=difficulty=1,ops=+-",
           "--get_wait_s=0.5", "--train_size=100", "--prefetch_steps=1", "--max_staleness=1"]
 
 
