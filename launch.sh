@@ -6,15 +6,15 @@
 #                                    restarting any that die, eval after, print the before/after pass@k table.
 #   bash launch.sh stop [--run_dir=D]   ordered stop of a local run: trainer (final checkpoint), workers, server.
 #   bash launch.sh test [pytest args]   install test deps into .venv and run the CPU suite (8 fake devices).
-#   bash launch.sh v5p-N | v5e-N | v6e-N --tpu=NAME --zone=Z [--infer_tpu=NAME2 --infer_size=SIZE] [--spot]
+#   bash launch.sh v4-N | v5p-N | v5e-N | v6e-N --tpu=NAME --zone=Z [--infer_tpu=NAME2 --infer_size=SIZE] [--spot]
 #       [--init_checkpoint=D --tokenizer=T --run_dir=R --port=5555 --coord_port=8476 --worker_args="..."
 #        --poll_s=30 --state_dir=runs/pod-NAME --runtime=V] [--dry_run | --stop] [-- train.py flags]
-#                                    TPU pods: per-host setup (project copy, pinned jax[tpu], token by scp), the
-#                                    server on trainer host 0 (+ a shard server on each other trainer host),
-#                                    trainer process i on trainer host i, worker i on inference host i, each under
-#                                    a per-host supervisor (launch.sh host); polls for DONE / FAILED and, with
-#                                    --spot, re-creates a preempted slice. --dry_run prints the exact gcloud
-#                                    commands. Multi-host checkpoints need shared storage: -- --checkpoint_dir=gs://..
+#                                    TPU pods: creates each slice unless READY (queued resource; --spot: spot), sets
+#                                    up every host (project copy, jax[tpu] on Python 3.11, token by scp), starts the
+#                                    server on trainer host 0 (+ a shard server on each other trainer host), trainer
+#                                    process i on trainer host i, worker i on inference host i, each under a per-host
+#                                    supervisor (launch.sh host); polls for DONE / FAILED, re-creates a lost slice.
+#                                    --dry_run prints every gcloud command. Multi-host checkpoints need shared storage.
 #                                    (host, host_setup, host_stop, host_status: run on the hosts by the launcher.)
 #
 # local flags: --run_dir=runs/local --workers=2 --trainer_procs=1 (also N shard servers) --worker_devices=1
@@ -540,25 +540,30 @@ stop_local() {
 # ---------------------------------------------------------------------------------------------------------------
 # TPU pods
 
-# Host counts follow the Cloud TPU docs' naming (cloud.google.com/tpu/docs/v5p, .../v5e, .../v6e):
-#   v5p-N       N counts TensorCores, 2 per chip, 4 chips per host: v5p-8 = 4 chips = 1 host, v5p-16 = 2 hosts,
-#               v5p-1024 = 512 chips = 128 hosts (the v5p table: 8x8x8, 1024 cores, 512 chips, 128 hosts).
-#   v5e-N/v6e-N N counts chips (one TensorCore each): up to 8 chips is one host, larger slices have 8 chips per host
-#               (v5e table: 4x4 = 16 chips = 2 hosts, 16x16 = 256 chips = 32 hosts; v6e: "Chips per host 8").
-pod_hosts() {  # pod_hosts SIZE: prints the number of hosts of that slice
-  local gen="${1%%-*}" n="${1#*-}"
-  [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -gt 0 ] || die "bad slice size $1 (want v5p-N, v5e-N or v6e-N)"
-  case "$gen" in
-    v5p) [ $((n % 8)) = 0 ] || die "$1: v5p-N counts TensorCores, a multiple of 8 (4-chip hosts)"; echo $((n / 8)) ;;
-    v5e|v6e) if [ "$n" -le 8 ]; then echo 1
-             else [ $((n % 8)) = 0 ] || die "$1: multi-host $gen slices are multiples of 8 chips"; echo $((n / 8)); fi ;;
-    *) die "$1: unknown TPU generation $gen (v5p, v5e, v6e)" ;;
-  esac
+# Host counts follow the Cloud TPU docs, the page beside each row (runtimes: "TPU software versions",
+# cloud.google.com/tpu/docs/runtimes). N counts TensorCores, CORES per chip (so chips where 1); SIZES: the N listed. A
+# slice of up to SOLO chips is one VM, a bigger one has 4 chips per VM (the pages' "VMs", gcloud's --worker=i; their
+# "hosts" are 8-chip machines: v6e-16 is 2 hosts, 4 VMs).
+#gen TYPE        RUNTIME             CORES SOLO SIZES                                            page
+TPU_TABLE='
+v4  v4-N        tpu-ubuntu2204-base 2     4    8,16,32,64,128,256,512,1024,1536,2048,4096       cloud.google.com/tpu/docs/v4
+v5p v5p-N       v2-alpha-tpuv5      2     4    8,16,32,64,128,256,512,1024,2048,4096,8192,12288 cloud.google.com/tpu/docs/v5p
+v5e v5litepod-N v2-alpha-tpuv5-lite 1     8    1,4,8,16,32,64,128,256                           cloud.google.com/tpu/docs/v5e
+v6e v6e-N       v2-alpha-tpuv6e     1     8    1,4,8,16,32,64,128,256                           cloud.google.com/tpu/docs/v6e'
+pod_slice() {  # GEN-N or TYPE-N (v5e-16 = v5litepod-16) [RUNTIME]: prints "TYPE-N RUNTIME VMS", or dies
+  local gen type rt cores solo sizes n="${1##*-}" what=chips
+  while read -r gen type rt cores solo sizes _; do
+    [ "${1%-*}" = "$gen" ] || [ "${1%-*}-N" = "$type" ] || continue
+    [ "$cores" = 2 ] && what="TensorCores, 2 per chip"
+    [[ ",$sizes," == *",$n,"* ]] || die "$1: $type, N counts $what; the documented N are ${sizes//,/, }"
+    echo "${type%N}$n ${2:-$rt} $(( n / cores <= solo ? 1 : n / cores / 4 ))"; return
+  done <<<"$TPU_TABLE"
+  die "$1: unknown TPU generation (v4, v5p, v5e = v5litepod, v6e)"
 }
 
 # Every gcloud call goes through here: with --dry_run it prints the exact argv (shell-quoted, copy-pasteable);
 # commands run on hosts are single --command= arguments built with printf %q, never eval'd here.
-POD_DRY=0
+POD_DRY=0 POD_SPOT=()
 shq() {  # words, single-quoted where the shell needs it
   local a out=()
   for a in "$@"; do
@@ -571,19 +576,44 @@ pod_bg() { if [ $POD_DRY = 1 ]; then "$@"; else "$@" & fi; }  # parallel over ho
 quote_cmd() { printf '%q ' "$@"; }
 pod_ssh() { pod_run gcloud compute tpus tpu-vm ssh "$1" --zone="$POD_ZONE" --worker="$2" --command="$3"; }
 pod_scp() { pod_run gcloud compute tpus tpu-vm scp --recurse "$2" "$1:$3" --zone="$POD_ZONE" --worker=all; }
+pod_host() { pod_ssh "$1" "$2" "cd rl && bash launch.sh $3 $(quote_cmd "$POD_RUN") ${4:-}"; }  # SLICE WORKER VERB [ROLE]
+pod_state() {  # NAME: "STATE ACCELERATOR-TYPE" of its node, or MISSING
+  gcloud compute tpus tpu-vm describe "$1" --zone="$POD_ZONE" --format='value(state,acceleratorType)' 2>/dev/null || echo MISSING
+}
 
-# Per-host setup of one slice: a copy of this checkout (no .venv/runs/.git), its venv with the pinned jax[tpu]
-# (requirements-tpu.txt), the server token (scp'd into a 0700 dir: it never appears on a command line), and the
-# staged checkpoint / tokenizer when they are local paths (small models; pass a path on the hosts, e.g. a
-# gcsfuse mount, for big ones).
+# A slice already READY with the wanted type is reused (a rerun, or one made by hand). Any other is (re-)created as
+# a queued resource, on-demand or --spot alike: the request waits for capacity where `tpu-vm create` fails at once,
+# and one path (delete what is left, create, wait for ACTIVE) serves both first creation and a preempted slice.
+pod_ensure_slice() {  # NAME
+  local type="${SLICE_TYPE[$1]}" st="" have qs
+  [ $POD_DRY = 1 ] && echo "# unless $1 is READY as $type (then it is reused):" || read -r st have <<<"$(pod_state "$1")"
+  if [ "$st" = READY ]; then
+    [ "$have" = "$type" ] || die "slice $1 exists as $have, not $type: delete it or name another slice"
+    echo "== reusing slice $1 ($type, READY)"; return
+  fi
+  [ $POD_DRY = 1 ] || gcloud compute tpus queued-resources delete "$1-qr" --zone="$POD_ZONE" --force --quiet &>/dev/null ||
+    gcloud compute tpus tpu-vm delete "$1" --zone="$POD_ZONE" --quiet &>/dev/null || true  # what is left of it
+  pod_run gcloud compute tpus queued-resources create "$1-qr" --node-id="$1" --zone="$POD_ZONE" \
+    --accelerator-type="$type" --runtime-version="${SLICE_RT[$1]}" "${POD_SPOT[@]}"
+  [ $POD_DRY = 1 ] && return
+  until qs=$(gcloud compute tpus queued-resources describe "$1-qr" --zone="$POD_ZONE" --format='value(state.state)')
+        [ "$qs" = ACTIVE ]; do
+    [[ "$qs" == FAILED || "$qs" == SUSPENDED ]] && die "queued resource $1-qr is $qs (see: gcloud ... describe)"
+    echo "== $1-qr: ${qs:-?} (waiting for capacity)"
+    sleep "$POD_POLL_S"
+  done
+}
+
+# Per-host setup of one slice: a copy of this checkout (no .venv/runs/.git), host_setup (venv, pinned jax[tpu]), the
+# server token (scp'd into a 0700 dir: never on a command line), and the checkpoint / tokenizer when they are local
+# paths (small models; for big ones pass a path on the hosts, e.g. a gcsfuse mount).
 pod_setup_slice() {
-  local name="$1"
+  local name="$1" k
   echo "== setting up slice $name"
   pod_scp "$name" "$POD_STATE/rl.tgz" rl.tgz
   pod_ssh "$name" all "mkdir -p rl/.secrets && chmod 700 rl/.secrets && tar -xzf rl.tgz -C rl && bash rl/launch.sh host_setup"
   pod_scp "$name" "$POD_STATE/token" rl/.secrets/token
   pod_ssh "$name" all "chmod 600 rl/.secrets/token"
-  local k
   for k in "${!POD_STAGE[@]}"; do pod_scp "$name" "${POD_STAGE[$k]}" "rl/staged/$k"; done
 }
 
@@ -594,9 +624,8 @@ pod_role_cmd() {  # ROLE SCRIPT ARGS...
   echo "cd rl && mkdir -p $run/logs && rm -f $run/STOP $run/FAILED.$role && nohup bash launch.sh host $role $(quote_cmd "$POD_RUN" "$@")>>$run/logs/$role.supervisor.log 2>&1 </dev/null &"
 }
 
-# The main server (queues + manifest) on trainer host 0; a shard server on every other trainer host (port +1)
-# holds that host's weight shards, so no host sends more than its own shards (shards.py); one trainer process
-# per trainer host stages on its own host's server (--shard_servers=self:PORT).
+# The main server (queues + manifest) on trainer host 0, a shard server (port +1) on every other trainer host: each
+# trainer process stages its host's weight shards there (--shard_servers=self:PORT), so no host sends more than that.
 pod_start_trainer_side() {
   local ip="$1" i
   pod_ssh "$POD_TPU" 0 "$(pod_role_cmd server param_server.py --host=0.0.0.0 --port="$POD_PORT" \
@@ -627,10 +656,8 @@ pod_start_workers() {  # one inference worker per host of the inference slice, e
 # restarting what is being stopped.
 pod_stop() {
   echo "== stopping the pod run (trainer, workers, server)"
-  pod_ssh "$POD_TPU" all "cd rl && bash launch.sh host_stop $(quote_cmd "$POD_RUN") trainer" || true
-  pod_ssh "$POD_INFER" all "cd rl && bash launch.sh host_stop $(quote_cmd "$POD_RUN") worker" || true
-  pod_ssh "$POD_TPU" all "cd rl && bash launch.sh host_stop $(quote_cmd "$POD_RUN") shard" || true
-  pod_ssh "$POD_TPU" 0 "cd rl && bash launch.sh host_stop $(quote_cmd "$POD_RUN") server" || true
+  pod_host "$POD_TPU" all host_stop trainer || true; pod_host "$POD_INFER" all host_stop worker || true
+  pod_host "$POD_TPU" all host_stop shard || true; pod_host "$POD_TPU" 0 host_stop server || true
 }
 
 pod_server_ip() {  # internal IP of trainer host 0 (where the server and the jax.distributed coordinator run)
@@ -638,53 +665,23 @@ pod_server_ip() {  # internal IP of trainer host 0 (where the server and the jax
   gcloud compute tpus tpu-vm describe "$POD_TPU" --zone="$POD_ZONE" --format='value(networkEndpoints[0].ipAddress)'
 }
 
-# --spot: each slice is a queued resource of spot capacity; a preempted one is deleted, re-created, set up again.
-pod_qr_state() {  # prints ACTIVE while the slice runs; anything else (PREEMPTED, SUSPENDED, FAILED...) means gone
-  local qs ns
-  qs=$(gcloud compute tpus queued-resources describe "$1-qr" --zone="$POD_ZONE" --format='value(state.state)' 2>/dev/null || echo MISSING)
-  ns=$(gcloud compute tpus tpu-vm describe "$1" --zone="$POD_ZONE" --format='value(state)' 2>/dev/null || echo MISSING)
-  if [ "$qs" = ACTIVE ] && [ "$ns" = READY ]; then echo ACTIVE; else echo "${ns}/${qs}"; fi
-}
-
-pod_create_slice() {  # NAME SIZE: queued resource (spot), then wait until it is ACTIVE
-  pod_run gcloud compute tpus queued-resources create "$1-qr" --node-id="$1" --zone="$POD_ZONE" \
-    --accelerator-type="$2" --runtime-version="$POD_RUNTIME" --spot
-  [ $POD_DRY = 1 ] && return
-  until [ "$(pod_qr_state "$1")" = ACTIVE ]; do sleep "$POD_POLL_S"; done
-}
-
-pod_recreate_slice() {  # NAME SIZE
-  gcloud compute tpus queued-resources delete "$1-qr" --zone="$POD_ZONE" --force --quiet || true
-  pod_create_slice "$1" "$2"
-  pod_setup_slice "$1"
-}
-
 # Poll until the trainer writes DONE (then stop in order), a role fails deterministically on some host (stop and
-# show its error), or, with --spot, a slice is preempted (re-create it and restart the roles that lived there).
+# show its error), or a slice is no longer READY (a preempted spot slice: re-create it, restart its roles).
 pod_monitor() {
-  local st out ip
+  local st out ip name
   while true; do
     sleep "$POD_POLL_S"
-    if [ $POD_SPOT = 1 ]; then
-      st=$(pod_qr_state "$POD_TPU")
-      if [ "$st" != ACTIVE ]; then
-        echo "== slice $POD_TPU is $st: re-creating it and restarting server + trainer (workers reconnect to the new address)"
-        pod_ssh "$POD_INFER" all "cd rl && bash launch.sh host_stop $(quote_cmd "$POD_RUN") worker" || true
-        pod_recreate_slice "$POD_TPU" "$POD_SIZE"
-        ip=$(pod_server_ip)
-        pod_start_trainer_side "$ip"; pod_start_workers "$ip"
-        continue
-      fi
-      st=$(pod_qr_state "$POD_INFER")
-      if [ "$st" != ACTIVE ]; then
-        echo "== slice $POD_INFER is $st: re-creating it and restarting its workers"
-        pod_recreate_slice "$POD_INFER" "$POD_INFER_SIZE"
-        pod_start_workers "$(pod_server_ip)"
-        continue
-      fi
-    fi
-    out=$( { pod_ssh "$POD_TPU" all "cd rl && bash launch.sh host_status $(quote_cmd "$POD_RUN")"
-             pod_ssh "$POD_INFER" all "cd rl && bash launch.sh host_status $(quote_cmd "$POD_RUN")"; } 2>/dev/null || true)
+    for name in "$POD_TPU" "$POD_INFER"; do
+      read -r st _ <<<"$(pod_state "$name")"
+      [ "$st" = READY ] && continue
+      echo "== slice $name is $st: re-creating it and restarting its roles"
+      [ "$name" = "$POD_TPU" ] && { pod_host "$POD_INFER" all host_stop worker || true; }
+      pod_ensure_slice "$name"; pod_setup_slice "$name"
+      ip=$(pod_server_ip)
+      [ "$name" = "$POD_TPU" ] && pod_start_trainer_side "$ip"
+      pod_start_workers "$ip"; continue 2
+    done
+    out=$( { pod_host "$POD_TPU" all host_status; pod_host "$POD_INFER" all host_status; } 2>/dev/null || true)
     if grep -q '^FAILED' <<<"$out"; then
       echo "launch.sh: a role failed deterministically on the pod:" >&2
       grep -A3 '^FAILED' <<<"$out" | sed 's/^/  /' >&2
@@ -698,51 +695,47 @@ pod_monitor() {
 }
 
 run_pod() {
-  POD_SIZE="$1"; shift
-  local tpu="" infer="" infer_size="" zone="" port=5555 coord=8476 spot=0 ckpt="" tok="" run=runs/pod stop=0
-  local worker_args="" poll=30 runtime="" state=""
+  local size="$1"; shift
+  local tpu="" infer="" infer_size="" zone="" port=5555 coord=8476 ckpt="" tok="" run=runs/pod stop=0
+  local worker_args="" poll=30 runtime="" state="" spec
   while [ $# -gt 0 ]; do
     case "$1" in
       --tpu=*) tpu="${1#*=}" ;; --infer_tpu=*) infer="${1#*=}" ;; --infer_size=*) infer_size="${1#*=}" ;;
       --zone=*) zone="${1#*=}" ;; --port=*) port="${1#*=}" ;; --coord_port=*) coord="${1#*=}" ;;
-      --spot) spot=1 ;; --runtime=*) runtime="${1#*=}" ;; --poll_s=*) poll="${1#*=}" ;;
+      --spot) POD_SPOT=(--spot) ;; --runtime=*) runtime="${1#*=}" ;; --poll_s=*) poll="${1#*=}" ;;
       --init_checkpoint=*) ckpt="${1#*=}" ;; --tokenizer=*) tok="${1#*=}" ;; --run_dir=*) run="${1#*=}" ;;
       --worker_args=*) worker_args="${1#*=}" ;; --stop) stop=1 ;; --state_dir=*) state="${1#*=}" ;;
       --dry_run) POD_DRY=1 ;; --) shift; break ;;
-      *) die "$POD_SIZE: unknown flag $1 (train.py flags go after --)" ;;
+      *) die "$size: unknown flag $1 (train.py flags go after --)" ;;
     esac
     shift
   done
-  [ -n "$tpu" ] && [ -n "$zone" ] || die "$POD_SIZE needs --tpu=NAME --zone=ZONE"
-  POD_TPU="$tpu" POD_ZONE="$zone" POD_INFER="${infer:-$tpu-infer}" POD_INFER_SIZE="${infer_size:-$POD_SIZE}"
-  POD_PORT="$port" POD_COORD_PORT="$coord" POD_SPOT="$spot" POD_RUN="$run" POD_POLL_S="$poll"
-  POD_RUNTIME="${runtime:-v2-alpha-tpu${POD_SIZE%%-*}-base}"
-  POD_HOSTS=$(pod_hosts "$POD_SIZE"); POD_INFER_HOSTS=$(pod_hosts "$POD_INFER_SIZE")
-  POD_STATE="${state:-$ROOT/runs/pod-$tpu}"  # this machine: the token and the project tarball
+  [ -n "$tpu" ] && [ -n "$zone" ] || die "$size needs --tpu=NAME --zone=ZONE"
+  POD_TPU="$tpu" POD_ZONE="$zone" POD_INFER="${infer:-$tpu-infer}" POD_PORT="$port" POD_COORD_PORT="$coord"
+  POD_RUN="$run" POD_POLL_S="$poll" POD_STATE="${state:-$ROOT/runs/pod-$tpu}"  # this machine: token, tarball
+  declare -gA SLICE_TYPE=() SLICE_RT=()
+  spec=$(pod_slice "$size" "$runtime"); read -r "SLICE_TYPE[$POD_TPU]" "SLICE_RT[$POD_TPU]" POD_HOSTS <<<"$spec"
+  spec=$(pod_slice "${infer_size:-$size}" "$runtime")
+  read -r "SLICE_TYPE[$POD_INFER]" "SLICE_RT[$POD_INFER]" POD_INFER_HOSTS <<<"$spec"
   read -r -a POD_WORKER_ARGS <<<"$worker_args"
   [ $stop = 1 ] && { pod_stop; return; }
   # Checkpoint and tokenizer: a local path is staged to every host; anything else is a path on the hosts.
   declare -gA POD_STAGE=()
   POD_TRAIN_ARGS=()
   tok="${tok:-$ckpt}"
-  if [ -n "$ckpt" ]; then
-    [ -e "$ckpt" ] && { POD_STAGE[ckpt]="$ckpt"; ckpt=staged/ckpt; }
-    POD_TRAIN_ARGS+=(--init_checkpoint="$ckpt")
-  fi
-  if [ -n "$tok" ]; then
-    if [ "$tok" = "${POD_STAGE[ckpt]:-}" ]; then tok=staged/ckpt
-    elif [ -e "$tok" ]; then POD_STAGE[tok]="$tok"; tok=staged/tok; fi
-    POD_TRAIN_ARGS+=(--tokenizer="$tok"); POD_WORKER_ARGS+=(--tokenizer="$tok")
-  fi
+  if [ -e "$ckpt" ]; then POD_STAGE[ckpt]="$ckpt"; [ "$tok" = "$ckpt" ] && tok=staged/ckpt; ckpt=staged/ckpt; fi
+  [ "$tok" != staged/ckpt ] && [ -e "$tok" ] && { POD_STAGE[tok]="$tok"; tok=staged/tok; }
+  [ -z "$ckpt" ] || POD_TRAIN_ARGS+=(--init_checkpoint="$ckpt")
+  [ -z "$tok" ] || { POD_TRAIN_ARGS+=(--tokenizer="$tok"); POD_WORKER_ARGS+=(--tokenizer="$tok"); }
   POD_TRAIN_ARGS+=("$@")
-  echo "# $POD_SIZE: $POD_HOSTS trainer hosts on $POD_TPU, $POD_INFER_HOSTS inference hosts on $POD_INFER" \
-       "($POD_INFER_SIZE); run dir $POD_RUN on the hosts (shared storage lets a re-created slice resume)"
-  [ $POD_DRY = 1 ] || mkdir -p "$POD_STATE"
+  echo "# $POD_TPU: ${SLICE_TYPE[$POD_TPU]}, $POD_HOSTS trainer hosts; $POD_INFER: ${SLICE_TYPE[$POD_INFER]}," \
+       "$POD_INFER_HOSTS inference hosts; run dir $POD_RUN on the hosts (on shared storage a new slice resumes it)"
   if [ $POD_DRY = 0 ]; then
+    mkdir -p "$POD_STATE"
     [ -f "$POD_STATE/token" ] || (umask 077; python3 -c "import secrets; print(secrets.token_hex(16))" >"$POD_STATE/token")
     tar -czf "$POD_STATE/rl.tgz" --exclude=./.venv --exclude=./runs --exclude=./.git --exclude=__pycache__ -C "$ROOT" .
   fi
-  if [ $spot = 1 ]; then pod_create_slice "$POD_TPU" "$POD_SIZE"; pod_create_slice "$POD_INFER" "$POD_INFER_SIZE"; fi
+  pod_ensure_slice "$POD_TPU"; pod_ensure_slice "$POD_INFER"
   pod_setup_slice "$POD_TPU"; pod_setup_slice "$POD_INFER"
   local ip; ip=$(pod_server_ip)
   [ $POD_DRY = 1 ] && echo "# SERVER_IP = \$($(shq gcloud compute tpus tpu-vm describe "$POD_TPU" --zone="$POD_ZONE" --format='value(networkEndpoints[0].ipAddress)'))"
@@ -756,8 +749,18 @@ run_pod() {
 # ---------------------------------------------------------------------------------------------------------------
 # On a pod host (the pod launcher runs these over ssh; by hand for debugging)
 
+# TPU VM images are Ubuntu 22.04, whose python3 is 3.10; the pinned jax==0.10.2 needs 3.11. An image whose python3
+# is 3.11 gets its venv from it; otherwise uv (pip --user, else astral's installer: no sudo, and no apt, which
+# unattended-upgrades often holds on a fresh VM) fetches a standalone CPython 3.11 into ~/.local/share/uv.
 host_setup() {  # venv + pinned jax[tpu] + requirements, once (stamped); RL_SKIP_INSTALL=1 reuses $VENV as is
   if [ -n "${RL_SKIP_INSTALL:-}" ]; then echo "host_setup: RL_SKIP_INSTALL set, using $VENV as is"; return; fi
+  local py311='import sys; sys.exit(sys.version_info[:2] != (3, 11))'
+  if ! "$VENV/bin/python" -c "$py311" 2>/dev/null; then
+    rm -rf "$VENV"
+    python3 -c "$py311" && python3 -m venv "$VENV" || {
+      python3 -m pip install -q --user uv || curl -LsSf https://astral.sh/uv/install.sh | sh
+      "$HOME/.local/bin/uv" venv -q --seed --python 3.11 "$VENV"; }
+  fi
   setup_venv requirements-tpu.txt
 }
 
@@ -791,16 +794,13 @@ run_host() {
 }
 
 host_stop() {  # host_stop RUN PREFIX: STOP, SIGTERM the roles PREFIX*, wait for them (checkpoint / drain), SIGKILL
-  local run="$1" f alive
+  local run="$1" pids
   mkdir -p "$run"; touch "$run/STOP"
-  for f in "$run"/pids/"$2"*.pid; do [ -f "$f" ] && kill -TERM "$(cat "$f")" 2>/dev/null || true; done
-  for _ in $(seq 1 "${STOP_GRACE_S:-60}"); do
-    alive=0
-    for f in "$run"/pids/"$2"*.pid; do [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && alive=1; done
-    [ $alive = 0 ] && return
-    sleep 1
-  done
-  for f in "$run"/pids/"$2"*.pid; do [ -f "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true; done
+  pids=$(cat "$run"/pids/"$2"*.pid 2>/dev/null || true)
+  [ -n "$pids" ] || return 0
+  kill -TERM $pids 2>/dev/null || true
+  for _ in $(seq 1 "${STOP_GRACE_S:-60}"); do kill -0 $pids 2>/dev/null || return 0; sleep 1; done
+  kill -KILL $pids 2>/dev/null || true
 }
 
 host_status() {  # DONE <step> when the trainer finished; FAILED lines for roles that failed deterministically
@@ -819,11 +819,11 @@ case "$cmd" in
     "$PY" -m tools.size  # the line budget of the runtime code (tools/size.py): past it, CI fails
     XLA_FLAGS="--xla_force_host_platform_device_count=8" JAX_PLATFORMS=cpu exec "$PY" -m pytest -q tests "$@"
     ;;
-  v5p-*|v5e-*|v6e-*) run_pod "$cmd" "$@" ;;
+  v4-*|v5p-*|v5e-*|v5litepod-*|v6e-*) run_pod "$cmd" "$@" ;;
   host_setup) host_setup ;;
   host) run_host "$@" ;;
   host_stop) host_stop "$@" ;;
   host_status) host_status "$@" ;;
   -h|--help|help) usage ;;
-  *) echo "usage: bash launch.sh {local|stop|test|v5p-N|v5e-N|v6e-N} [flags] (--help: the options)" >&2; exit 2 ;;
+  *) echo "usage: bash launch.sh {local|stop|test|v4-N|v5p-N|v5e-N|v6e-N} [flags] (--help: the options)" >&2; exit 2 ;;
 esac; exit $?  # on the same line as esac: bash never reads past it, so editing launch.sh mid-run is safe

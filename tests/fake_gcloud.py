@@ -4,14 +4,17 @@ Each TPU host is a directory $FAKE_GCLOUD_ROOT/hosts/<node>/w<i>; `tpu-vm ssh --
 `bash -c C` there as that host (HOME = the host dir, its own env), so launch.sh's remote commands really run:
 project copy, setup, supervisors, server, a multi-process trainer, workers. Supported (what launch.sh uses):
 
-  compute tpus tpu-vm create NAME --accelerator-type=T          compute tpus tpu-vm describe NAME --format=...
-  compute tpus tpu-vm ssh NAME --worker=all|i --command=C      compute tpus tpu-vm scp [--recurse] SRC NAME:DST
-  compute tpus queued-resources create QR --node-id=NAME --accelerator-type=T [--spot]
-  compute tpus queued-resources describe QR --format=...        compute tpus queued-resources delete QR
+  compute tpus tpu-vm create NAME --accelerator-type=T --version=V    compute tpus tpu-vm delete NAME
+  compute tpus tpu-vm describe NAME --format=value(F,...)              compute tpus tpu-vm scp [--recurse] SRC NAME:DST
+  compute tpus tpu-vm ssh NAME --worker=all|i --command=C
+  compute tpus queued-resources create QR --node-id=NAME --accelerator-type=T --runtime-version=V [--spot]
+  compute tpus queued-resources describe QR --format=...               compute tpus queued-resources delete QR
 
-Every call's argv is appended to calls.jsonl (tests check, e.g., that no secret is on a command line).
-`preempt(root, node)` plays the cloud: kills the node's processes and marks it PREEMPTED / its queued resource
-SUSPENDED. Host counts are computed here independently of launch.sh (from the Cloud TPU docs' tables).
+Like the real one it refuses an accelerator type or runtime version the Cloud TPU docs do not list (or a runtime of
+another generation), and a slice has the documented number of workers: both from tests/tpu_types.json, written
+from the docs independently of launch.sh's table. Every call's argv is appended to calls.jsonl (tests check, e.g.,
+that no secret is on a command line). `preempt(root, node)` plays the cloud: kills the node's processes and marks
+it PREEMPTED / its queued resource SUSPENDED.
 """
 import json
 import os
@@ -21,12 +24,18 @@ import subprocess
 import sys
 
 ROOT = os.environ.get("FAKE_GCLOUD_ROOT", "")
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tpu_types.json")) as _f:
+  TYPES = json.load(_f)
 
 
-def n_hosts(accel):
-  gen, n = accel.split("-")
-  n = int(n)
-  return n // 8 if gen == "v5p" else max(1, n // 8)  # v5p: 8 TensorCores per host; v5e/v6e: 8 chips per host
+def workers(accel, runtime=None):
+  """The documented number of TPU VMs of ACCEL; ValueError for a type, or a runtime for it, the docs do not list."""
+  family = TYPES["accelerator_types"].get(accel.rsplit("-", 1)[0], {"workers": {}})
+  if accel not in family["workers"]:
+    raise ValueError(f"INVALID_ARGUMENT: unknown accelerator type {accel!r}")
+  if runtime is not None and TYPES["runtime_versions"]["for"].get(runtime) != accel.rsplit("-", 1)[0]:
+    raise ValueError(f"INVALID_ARGUMENT: runtime version {runtime!r} is not a documented runtime for {accel}")
+  return family["workers"][accel]
 
 
 def _path(*parts):
@@ -81,9 +90,12 @@ def preempt(root, node):
     _save("qr", node + "-qr", qr)
 
 
-def _create_node(node, accel):
+def _create_node(node, accel, runtime):
+  hosts = workers(accel, runtime)
+  if _load("nodes", node):
+    raise ValueError(f"ALREADY_EXISTS: node {node}")
   shutil.rmtree(_path("hosts", node), ignore_errors=True)
-  _save("nodes", node, dict(accel=accel, state="READY", hosts=n_hosts(accel)))
+  _save("nodes", node, dict(accel=accel, state="READY", hosts=hosts))
   for d in host_dirs(node):
     os.makedirs(d)
 
@@ -134,12 +146,21 @@ def _scp(src, dst):
 
 
 def _describe(rec, fmt):
+  """--format=value(F,...): the fields tab-separated, as gcloud prints them."""
   if rec is None:
     return 1
-  if "ipAddress" in fmt:
-    print("127.0.0.1")
-  elif "state.state" in fmt or "state" in fmt:
-    print(rec["state"])
+  known = {"state": rec.get("state"), "state.state": rec.get("state"), "acceleratorType": rec.get("accel"),
+           "networkEndpoints[0].ipAddress": "127.0.0.1"}
+  print("\t".join(known[f] for f in fmt[len("value("):-1].split(",")))
+  return 0
+
+
+def _delete_node(node):
+  if _load("nodes", node) is None:
+    return 1
+  _kill_node(node)
+  shutil.rmtree(_path("hosts", node), ignore_errors=True)
+  os.remove(_path("nodes", node + ".json"))
   return 0
 
 
@@ -150,10 +171,21 @@ def main(argv):
     sys.exit(f"fake gcloud: unsupported {argv}")
   pos, kv, flags = _opts(argv[3:])
   verb, rest = pos[0], pos[1:]
-  if argv[2] == "tpu-vm":
+  try:
+    return _run(argv[2], verb, rest, kv, flags)
+  except ValueError as e:
+    sys.exit(f"ERROR: (gcloud.compute.tpus.{argv[2]}.{verb}) {e}")
+  except KeyError as e:
+    sys.exit(f"ERROR: (gcloud.compute.tpus.{argv[2]}.{verb}) argument --{e.args[0]}: Must be specified.")
+
+
+def _run(group, verb, rest, kv, flags):
+  if group == "tpu-vm":
     if verb == "create":
-      _create_node(rest[0], kv["accelerator-type"])
+      _create_node(rest[0], kv["accelerator-type"], kv["version"])
       return 0
+    if verb == "delete":
+      return _delete_node(rest[0])
     if verb == "describe":
       return _describe(_load("nodes", rest[0]), kv.get("format", ""))
     if verb == "ssh":
@@ -163,20 +195,21 @@ def main(argv):
   else:
     qr = rest[0]
     if verb == "create":
-      _create_node(kv["node-id"], kv["accelerator-type"])
+      if _load("qr", qr):
+        raise ValueError(f"ALREADY_EXISTS: queued resource {qr}")
+      _create_node(kv["node-id"], kv["accelerator-type"], kv["runtime-version"])
       _save("qr", qr, dict(node=kv["node-id"], state="ACTIVE", spot="spot" in flags))
       return 0
     if verb == "describe":
       return _describe(_load("qr", qr), kv.get("format", ""))
     if verb == "delete":
       rec = _load("qr", qr)
-      if rec:
-        _kill_node(rec["node"])
-        shutil.rmtree(_path("hosts", rec["node"]), ignore_errors=True)
-        os.remove(_path("nodes", rec["node"] + ".json"))
-        os.remove(_path("qr", qr + ".json"))
+      if rec is None:
+        return 1
+      _delete_node(rec["node"])
+      os.remove(_path("qr", qr + ".json"))
       return 0
-  sys.exit(f"fake gcloud: unsupported {argv}")
+  sys.exit(f"fake gcloud: unsupported {group} {verb}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """launch.sh as a user runs it: the pod launcher against a fake gcloud (tests/fake_gcloud.py: every TPU host is a
 directory on this machine, every `ssh --worker=i --command=C` runs C there), and the guards around a local run.
 
-The pod tests really start a server, a multi-process trainer and workers through launch.sh v5p-16 / v6e-8 and
-finish a few RL steps on a tiny random policy; one preempts the spot slice mid-run and checks that the launcher
-re-creates it and the run still ends at its last step.
+The pod tests check the launcher's slices (accelerator type, runtime version, hosts) against the fake's own table of
+the Cloud TPU docs (tests/tpu_types.json), per generation, in dry runs and fake runs; two really start a server, a
+multi-process trainer and workers through launch.sh v5p-16 / v6e-8 and finish a few RL steps on a tiny random
+policy, one of them preempting the spot slice mid-run: the launcher re-creates it and the run ends at its last step.
 """
 import json
 import os
@@ -25,7 +26,7 @@ def run(cmd, **kw):
   return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=benchutil.child_env(), **kw)
 
 
-# ------------------------------------------------------------------------------------------------ host counts
+# ------------------------------------------------------------------------------------------------ pod: the docs' table
 
 
 def dry(size, *flags):
@@ -34,16 +35,59 @@ def dry(size, *flags):
   return r.stdout
 
 
-def test_pod_host_counts_follow_tpu_docs():
-  # v5p-N counts TensorCores (2 per chip, 4 chips per host); v5e/v6e-N count chips, 8 per host.
-  for size, hosts in [("v5p-8", 1), ("v5p-16", 2), ("v5p-1024", 128), ("v6e-4", 1), ("v6e-8", 1), ("v6e-16", 2),
-                      ("v6e-256", 32), ("v5e-16", 2)]:
-    assert f"{hosts} trainer hosts" in dry(size), size
-    assert fake_gcloud.n_hosts(size) == hosts
-  bad = run(["bash", "launch.sh", "v5p-12", "--tpu=t", "--zone=z", "--dry_run"])
-  assert bad.returncode == 2 and "multiple of 8" in bad.stderr
-  bad = run(["bash", "launch.sh", "v5p-64", "--dry_run"])
-  assert bad.returncode == 2 and "--tpu=NAME --zone=ZONE" in bad.stderr
+def created(out, node):
+  """The accelerator type and runtime of the queued resource `out` creates for NODE (dry-run output or calls)."""
+  for line in out.splitlines():
+    argv = shlex.split(line)
+    if argv[:5] == ["gcloud", "compute", "tpus", "queued-resources", "create"] and f"--node-id={node}" in argv:
+      kv = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+      return kv["accelerator-type"], kv["runtime-version"], "--spot" in argv
+  return None
+
+
+# Per generation: the user's spelling, gcloud's accelerator type; hosts come from the fake's own table.
+SIZES = [("v4-8", "v4-8"), ("v4-32", "v4-32"), ("v4-1024", "v4-1024"), ("v5p-8", "v5p-8"), ("v5p-16", "v5p-16"),
+         ("v5p-1024", "v5p-1024"), ("v5e-8", "v5litepod-8"), ("v5e-16", "v5litepod-16"),
+         ("v5litepod-256", "v5litepod-256"), ("v6e-8", "v6e-8"), ("v6e-16", "v6e-16"), ("v6e-256", "v6e-256")]
+
+
+def test_pod_dry_run_per_generation_matches_the_fakes_table_of_the_docs():
+  for size, accel in SIZES:
+    out = dry(size, "--infer_size=v6e-1")
+    accel_made, runtime, spot = created(out, "t")
+    assert accel_made == accel and not spot, (size, out[:400])
+    hosts = fake_gcloud.workers(accel, runtime)  # the fake refuses a type / runtime the docs do not list
+    assert f"{hosts} trainer hosts" in out, (size, hosts, out[:300])
+    trainers = [l for l in out.splitlines() if " ssh t " in l and "train.py" in l]
+    assert len(trainers) == hosts and f"--process_id={hosts - 1} " in trainers[-1], size
+  assert created(dry("v5p-16", "--spot"), "t-infer") == ("v5p-16", "v2-alpha-tpuv5", True)
+
+
+def test_pod_refuses_sizes_the_docs_do_not_list():
+  for size, valid in [("v5p-12", "8, 16, 32, 64"), ("v5e-2", "1, 4, 8, 16"), ("v6e-512", "128, 256"),
+                      ("v4-4", "8, 16, 32")]:
+    r = run(["bash", "launch.sh", size, "--tpu=t", "--zone=z", "--dry_run"])
+    assert r.returncode == 2 and valid in r.stderr, (size, r.stderr)
+  r = run(["bash", "launch.sh", "v5p-64", "--dry_run"])
+  assert r.returncode == 2 and "--tpu=NAME --zone=ZONE" in r.stderr
+
+
+def test_fake_gcloud_refuses_what_the_docs_do_not_list(tmp_path):
+  root, env = fake_pod(tmp_path)
+  gc = ["gcloud", "compute", "tpus"]
+  for argv, why in [(["tpu-vm", "create", "x", "--zone=z", "--accelerator-type=v5e-16", "--version=v2-alpha-tpuv5-lite"],
+                     "unknown accelerator type 'v5e-16'"),  # gcloud spells it v5litepod-16
+                    (["queued-resources", "create", "x-qr", "--node-id=x", "--zone=z", "--accelerator-type=v5p-16",
+                      "--runtime-version=v2-alpha-tpuv5p-base"], "runtime version 'v2-alpha-tpuv5p-base'"),
+                    (["queued-resources", "create", "x-qr", "--node-id=x", "--zone=z", "--accelerator-type=v6e-16",
+                      "--runtime-version=v2-alpha-tpuv5"], "not a documented runtime for v6e-16")]:
+    r = subprocess.run(gc + argv, env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and why in r.stderr, (argv, r.stderr)
+  assert not os.path.exists(os.path.join(root, "nodes"))
+  # launch.sh with a runtime the docs do not list fails at the fake, before any host is set up
+  r = subprocess.run(["bash", "launch.sh", "v5p-8", "--tpu=t", "--zone=z", "--runtime=v2-alpha-tpuv5p-base",
+                      f"--state_dir={tmp_path / 'state'}"], cwd=ROOT, env=env, capture_output=True, text=True)
+  assert r.returncode != 0 and "v2-alpha-tpuv5p-base" in r.stderr and "setting up" not in r.stdout, r.stdout + r.stderr
 
 
 def test_pod_dry_run_commands_are_exact_and_parse():
@@ -61,25 +105,81 @@ def test_pod_dry_run_commands_are_exact_and_parse():
   for argv in ssh:  # each remote command is one argument that bash parses
     cmd = [a for a in argv if a.startswith("--command=")][0][len("--command="):]
     assert subprocess.run(["bash", "-n"], input=cmd, text=True).returncode == 0, cmd
-  assert any("queued-resources create t-qr" in l and "--spot" in l for l in lines)
+  assert created(out, "t") == ("v5p-16", "v2-alpha-tpuv5", True)
   assert any(" scp " in l and ".secrets/token" in l for l in lines)
 
 
 # ------------------------------------------------------------------------------------------------ fake pod
 
 
-def fake_pod(tmp_path):
+def fake_pod(tmp_path, venv=os.path.join(ROOT, ".venv")):
   root = tmp_path / "gcloud"
   (root / "bin").mkdir(parents=True)
   gcloud = root / "bin" / "gcloud"
   gcloud.write_text(f"#!/bin/sh\nexec {sys.executable} {os.path.join(ROOT, 'tests', 'fake_gcloud.py')} \"$@\"\n")
   gcloud.chmod(0o755)
   env = benchutil.child_env()
-  host_env = dict(RL_SKIP_INSTALL="1", VENV=os.path.join(ROOT, ".venv"), JAX_PLATFORMS="cpu", STOP_GRACE_S="30")
+  host_env = dict(RL_SKIP_INSTALL="1", VENV=venv, JAX_PLATFORMS="cpu", STOP_GRACE_S="30")
   env.update(PATH=f"{root / 'bin'}:{env['PATH']}", FAKE_GCLOUD_ROOT=str(root),
              FAKE_GCLOUD_HOST_ENV=json.dumps(host_env))
   env["VENV"] = os.path.join(ROOT, ".venv")
   return str(root), env
+
+
+def calls(root, *words):
+  return [c for c in map(json.loads, open(os.path.join(root, "calls.jsonl"))) if all(w in c for w in words)]
+
+
+# What runs as `python` on the fake hosts of test_pod_fake_run_per_generation: it records its argv; trainer process 0
+# writes DONE at once (every trainer process exits 0), the servers and workers wait to be stopped.
+STUB_PYTHON = """#!/bin/bash
+echo "$*" >>argv.log
+[ "$1" = train.py ] || exec sleep 300
+for a; do case "$a" in --run_dir=*) run="${a#*=}" ;; --process_id=*) id="${a#*=}" ;; esac; done
+[ "$id" = 0 ] && echo 1 >"$run/DONE"; exit 0
+"""
+
+
+def test_pod_fake_run_per_generation_creates_reuses_and_starts_a_role_per_documented_host(tmp_path):
+  """Not a dry run: launch.sh creates each slice (on-demand) through the fake, which gives it the number of workers
+  its own table of the docs says, and starts trainer i / worker i on every one of them (a stub python: the
+  orchestration, not JAX, is under test here; test_pod_v5p16_* trains for real)."""
+  for size, infer in [("v4-16", "v4-8"), ("v5p-16", "v5p-8"), ("v5litepod-16", "v5e-4"), ("v6e-16", "v6e-4")]:
+    tmp = tmp_path / size
+    stub = tmp / "venv" / "bin" / "python"
+    stub.parent.mkdir(parents=True)
+    stub.write_text(STUB_PYTHON)
+    stub.chmod(0o755)
+    root, env = fake_pod(tmp, venv=str(tmp / "venv"))
+    reuse = size.startswith("v6e")
+    if reuse:  # a READY inference slice of the wanted type is reused, not re-created
+      subprocess.run(["gcloud", "compute", "tpus", "tpu-vm", "create", "t-infer", "--zone=z",
+                      "--accelerator-type=v6e-4", "--version=v2-alpha-tpuv6e"], env=env, check=True)
+    proc = subprocess.Popen(["bash", "launch.sh", size, "--tpu=t", "--zone=z", f"--infer_size={infer}", "--poll_s=1",
+                             f"--state_dir={tmp / 'state'}"], cwd=ROOT, env=env, stdout=open(tmp / "launch.log", "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    out = finish(proc, root, tmp, 120)
+    for node, role in (("t", "trainer"), ("t-infer", "worker")):
+      accel = json.load(open(os.path.join(root, "nodes", f"{node}.json")))["accel"]
+      hosts = sorted(os.listdir(os.path.join(root, "hosts", node)))
+      assert hosts == [f"w{i}" for i in range(fake_gcloud.workers(accel))], (size, node, hosts)
+      for i, h in enumerate(hosts):
+        argv = open(os.path.join(root, "hosts", node, h, "rl", "argv.log")).read()
+        assert (f"--worker_id=worker{i}" if role == "worker" else f"--process_id={i} ") in argv, (node, h, argv)
+    creates = calls(root, "queued-resources", "create")
+    assert [c[4] for c in creates] == (["t-qr"] if reuse else ["t-qr", "t-infer-qr"]), creates
+    assert not any("--spot" in c for c in creates)  # on-demand without --spot
+    assert ("reusing slice t-infer" in out) == reuse and "training done" in out, out[-2000:]
+
+
+def test_pod_refuses_to_reuse_a_slice_of_another_type(tmp_path):
+  root, env = fake_pod(tmp_path)
+  subprocess.run(["gcloud", "compute", "tpus", "tpu-vm", "create", "t", "--zone=z", "--accelerator-type=v5p-8",
+                  "--version=v2-alpha-tpuv5"], env=env, check=True)
+  r = subprocess.run(["bash", "launch.sh", "v5p-16", "--tpu=t", "--zone=z", f"--state_dir={tmp_path / 'state'}"],
+                     cwd=ROOT, env=env, capture_output=True, text=True)
+  assert r.returncode == 2 and "slice t exists as v5p-8, not v5p-16" in r.stderr, r.stdout + r.stderr
+  assert not calls(root, "create", "t-qr") and not calls(root, "delete")
 
 
 def base_and_tokenizer(tmp_path):
@@ -143,13 +243,14 @@ def no_secret_on_command_lines(root, token):
 
 def test_pod_v5p16_fake_gcloud_runs_rl_steps(tmp_path):
   root, env = fake_pod(tmp_path)
-  for name in ("t", "t-infer"):
-    subprocess.run(["gcloud", "compute", "tpus", "tpu-vm", "create", name, "--zone=z", "--accelerator-type=v5p-16"],
-                   env=env, check=True)
+  for name in ("t", "t-infer"):  # made by hand beforehand: reused, not re-created
+    subprocess.run(["gcloud", "compute", "tpus", "tpu-vm", "create", name, "--zone=z", "--accelerator-type=v5p-16",
+                    "--version=v2-alpha-tpuv5"], env=env, check=True)
   # Checkpoints of a multi-host trainer go to storage every host shares (a bucket on a real pod).
   proc = pod_launch("v5p-16", tmp_path, env, 3, train=[f"--checkpoint_dir={tmp_path / 'shared_ckpt'}"])
   out = finish(proc, root, tmp_path, 400)
-  assert "2 trainer hosts on t, 2 inference hosts" in out and "training done" in out
+  assert "2 trainer hosts; t-infer: v5p-16, 2 inference hosts" in out and "training done" in out
+  assert "reusing slice t (v5p-16, READY)" in out and not calls(root, "create", "t-qr")
   host0 = os.path.join(root, "hosts", "t", "w0", "rl")
   run_dir = os.path.join(host0, "runs", "pod")
   assert open(os.path.join(run_dir, "DONE")).read() == "3"
@@ -180,8 +281,8 @@ def test_pod_v6e8_spot_preemption_recreates_slice_and_finishes(tmp_path):
   assert not os.path.exists(os.path.join(shared, "DONE")), "the run finished before the preemption: nothing tested"
   out = finish(proc, root, tmp_path, 400)
   assert "slice t is PREEMPTED" in out and "training done" in out
-  creates = [json.loads(l) for l in open(os.path.join(root, "calls.jsonl")) if '"create", "t-qr"' in l]
-  assert len(creates) == 2 and all("--spot" in c for c in creates)
+  creates = calls(root, "create", "t-qr")
+  assert len(creates) == 2 and all("--spot" in c and "--accelerator-type=v6e-8" in c for c in creates)
   assert open(os.path.join(shared, "DONE")).read() == str(steps)
   lineage = {json.loads(l)["step"] for l in open(os.path.join(shared, "metrics.jsonl"))}
   assert lineage == set(range(1, steps + 1))
