@@ -92,7 +92,7 @@ class ProtocolError(ValueError):
 
 
 class ChecksumError(RuntimeError):
-  """Received tensor bytes do not match the checksum the sender computed."""
+  """Received tensor bytes do not match the sender's crc."""
 
 
 class QueueFullError(RuntimeError):
@@ -100,8 +100,7 @@ class QueueFullError(RuntimeError):
 
 
 class StorageError(RuntimeError):
-  """The server could not make a put/ack/fail durable (disk full, I/O error): nothing was stored or changed.
-  Not the request's fault; retrying later is safe."""
+  """The server could not make a put/ack/fail durable (disk full, I/O error): nothing changed; retry later."""
 
 
 class _Refused(Exception):
@@ -444,12 +443,12 @@ def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None):
           hi = [min(b, pb) for (_, b), (_, pb) in zip(w, p["index"])]
           if any(l >= h for l, h in zip(lo, hi)):
             continue
-          req = dict(name=name, index=p["index"], crc=p["crc"], sub=[[l - pa, h - pa] for l, h, (pa, _) in
-                                                                     zip(lo, hi, p["index"])])
+          sub = [[l - pa, h - pa] for l, h, (pa, _) in zip(lo, hi, p["index"])]
+          dest = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, w))
+          req = dict(name=name, index=p["index"], crc=p["crc"], sub=sub)
           if w in old and json.dumps(p["index"]) in base_crc:
             req["base_crc"] = base_crc[json.dumps(p["index"])]
-          jobs.setdefault(p["server"], []).append((req, (w, tuple(slice(l - a, h - a) for l, h, (a, _) in
-                                                                  zip(lo, hi, w)))))
+          jobs.setdefault(p["server"], []).append((req, (w, dest)))
           covered += math.prod(h - l for l, h in zip(lo, hi))
         if covered != bufs[w].size:
           raise ValueError(f"manifest v{version}: pieces of {name!r} cover {covered} of the {bufs[w].size} "
