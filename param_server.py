@@ -554,20 +554,15 @@ def _check_crcs(specs, crcs, what):
       raise _Refused("checksum", f"{what}: tensor {s['name']!r} crc {c} != declared {s['crc']}")
 
 
-def _ranges(rs, bounds):
-  """Whether rs is [[start, stop], ...] of ints with 0 <= start <= stop <= bound, one range per bound."""
-  return isinstance(rs, list) and len(rs) == len(bounds) and all(
-      isinstance(r, list) and len(r) == 2 and _int(r[0]) and _int(r[1]) and 0 <= r[0] <= r[1] <= b
-      for r, b in zip(rs, bounds))
-
-
 def _cut(version, piece, sub):
   """(bytes, crc, shape) of the sub-slice `sub` ([[start, stop], ...] within the piece, None = all) of a staged
   piece (spec, index, buf). Slices leading dims of a (shape..., itemsize) byte view: dtypes are never interpreted."""
   spec, index, buf = piece
   if sub is None or sub == [[0, b - a] for a, b in index]:  # the whole piece: its stored crc holds
     return memoryview(buf), spec["crc"], spec["shape"]
-  if not _ranges(sub, [b - a for a, b in index]):
+  if not (isinstance(sub, list) and len(sub) == len(index) and all(
+      isinstance(r, list) and len(r) == 2 and _int(r[0]) and _int(r[1]) and 0 <= r[0] <= r[1] <= b - a
+      for r, (a, b) in zip(sub, index))):
     raise ValueError(f"fetch v{version} {spec['name']!r}: sub {sub!r} outside piece {index}")
   raw = np.frombuffer(buf, np.uint8).reshape(*spec["shape"], DTYPES[spec["dtype"]])
   part = np.ascontiguousarray(raw[tuple(slice(a, b) for a, b in sub)]).reshape(-1)
@@ -724,23 +719,23 @@ class _Weights:
     for w, got, old, once, ck in found:
       part, crc, _ = _cut(version, got, w.get("sub"))
       if old is None:
-        enc, payload, changed = "full", part, -1
+        enc, data, changed = "full", part, -1
       else:
         def build(got=got, old=old, w=w, part=part, ck=ck):
-          enc, payload, changed = delta_encode(part, _cut(base, old, w.get("sub"))[0], DTYPES[got[0]["dtype"]])
-          payload = None if enc == "full" else payload  # "full" is served from the piece itself: no cache memory
+          enc, data, changed = delta_encode(part, _cut(base, old, w.get("sub"))[0], DTYPES[got[0]["dtype"]])
+          data = None if enc == "full" else data  # "full" is served from the piece itself: no cache memory
           with self.cond:
             self.delta_builds += 1
             # Bounded: a version's cached deltas never exceed its own staged bytes; past that they are rebuilt.
-            if payload is not None and st["delta_bytes"] + len(payload) > st["nbytes"]:
+            if data is not None and st["delta_bytes"] + len(data) > st["nbytes"]:
               st["deltas"].pop(ck, None)
-            elif payload is not None:
-              st["delta_bytes"] += len(payload)
-          return enc, payload, changed
-        enc, payload, changed = once.get(build)
-        payload = part if enc == "full" else payload
-      pieces.append(dict(enc=enc, nbytes=len(payload), crc=crc, changed=changed))
-      parts.append(payload)
+            elif data is not None:
+              st["delta_bytes"] += len(data)
+          return enc, data, changed
+        enc, data, changed = once.get(build)
+        data = part if enc == "full" else data
+      pieces.append(dict(enc=enc, nbytes=len(data), crc=crc, changed=changed))
+      parts.append(data)
     return {"version": version, "base": base, "pieces": pieces}, parts
 
   def stats(self):
