@@ -1,117 +1,48 @@
 """Parameter server: versioned weights down to workers, leased queues (prompts, rollouts) in both directions.
 
-One plain TCP socket protocol, stdlib + numpy only (ml_dtypes only on the client side, for bf16).
+Plain TCP, stdlib + numpy (ml_dtypes on the client, for bf16). Every request and every reply is one frame:
+  prefix   20 bytes, struct "<4sHHIQ": magic b"RLPS", protocol version 1, message type, header and payload lengths
+  header   a UTF-8 JSON object (names, dtypes, shapes, ids, token, ...)
+  payload  raw bytes: tensors back to back in header order, little-endian, C order, never pickled
+A tensor is {"name", "dtype", "shape", "nbytes", "crc"}; crc = zlib.crc32 (~2 GiB/s here, 4x blake2b), computed by
+the receiver in a second thread while the bytes arrive. A reply is OK, or ERROR {"error", "code"}.
 
-Wire format (every request and every reply is one frame):
+Messages (T: needs the shared token, which a client sends once per connection with AUTH):
+  STAGE T   a piece of a tensor (a trainer shard: its global slice [[start, stop], ...], version, publish nonce),
+            invisible to readers; at most max_versions committed + 2 staged versions are held
+  STAGED    the pieces staged for (version, nonce); with keep=[committed versions] (T) drops older unkept ones
+  COMMIT T  a manifest (JSON payload: each tensor's dtype, shape, pieces with crc and server), written last by the
+            coordinator once every server holds every piece; the newest max_versions are kept
+  MANIFEST  the newest manifest newer than newer_than (waits up to wait_s); LATEST: its version (-1: none)
+  FETCH     sub-slices of staged pieces, cut by the server (only the needed bytes travel), crc-checked; a piece
+            whose crc is not the requested one (replaced or collected) is refused
+  DELTA     FETCH for a reader holding version `base`: per piece delta_encode's encoding of what changed (or the
+            full bytes) and the crc of the RESULT, which the reader checks. Only against the previous version
+            staged here; built once per (piece, sub-slice, base) for the whole fleet and cached beside its
+            version (gone with it, never more than its own bytes)
+  PUT T, GET T, ACK T, REQUEUE T, FAIL T: the leased queues (see Client); STATS; AUTH T
 
-  prefix  20 bytes, little-endian struct "<4sHHIQ": magic b"RLPS", protocol version (1), message type,
-          header length (bytes), payload length (bytes)
-  header  UTF-8 JSON object (the small part: names, dtypes, shapes, ids, token, ...)
-  payload raw bytes: tensors back to back in header order, little-endian, C order, never pickled
+Guarantees:
+  - Bounded memory: every length is capped before it is read (headers by untrusted_header_kb until the connection
+    authenticated); staged versions as above; each queue by max_queue_items and max_queue_mb (ready + leased).
+  - Deadlines on every read: idle_timeout_s for a request's first byte, header_timeout_s for prefix + header, then
+    payload / min_rate_mb_s, so a trickling client times out. A connection gets a thread only once its first byte
+    arrived. When max_clients are connected a newcomer evicts an anonymous connection, else an idle authenticated
+    one (its client reconnects); only when every slot does authenticated work is it answered "busy".
+  - A malformed frame (magic, version, type, lengths, JSON with NaN / huge ints / deep nesting, truncation,
+    timeout) gets an ERROR and a closed connection; a refused request (token, arguments, stale version, disk)
+    gets an ERROR and the connection stays usable. The token is checked before any payload byte is read.
+  - Queues: put is idempotent by id; get leases for lease_s (an expired lease re-issues the item first); ack is
+    forever; FAIL re-issues an item until max_failures, then quarantines it with a notice in "<queue>.failed".
+    With run_dir each queue is an append-only crc'd log, fsync'ed before a change is applied or answered (a failed
+    write answers StorageError and changes nothing), compacted at startup and past 2x its live size. Leases and
+    weights are not persisted: after a restart every unacked item is ready again and the trainer re-publishes.
 
-  Tensors are described as {"name", "dtype", "shape", "nbytes", "crc"} (crc = zlib.crc32 of the tensor's bytes).
-  A weight version's "digest" is crc32 over the JSON of [version, tensor table], so the table is covered too.
-  zlib.crc32 was chosen after measuring on this box: ~2 GiB/s vs 0.5 GiB/s for blake2b / md5; the receiver
-  computes it in a second thread while the bytes are still arriving (crc32 releases the GIL), so it mostly
-  overlaps the transfer. Big payloads go out with sendall over 8 MiB memoryview slices of the stored buffer
-  and come in with recv_into into one buffer (anonymous mmap, MADV_HUGEPAGE: 2 MiB pages make the kernel's
-  page faults on a fresh 1 GiB buffer cheap); pulled arrays are zero-copy views into that buffer.
-
-Design choices:
-  - Thread per connection (bounded by max_clients); every read has a deadline: idle_timeout_s for the first
-    byte of a request, then header_timeout_s for prefix+header (whatever they announce), then
-    payload_len / min_rate_mb_s more for an authenticated payload. A slowloris client that trickles bytes
-    therefore times out even though each recv makes progress. When every slot is taken a newcomer evicts an
-    anonymous connection (idle first, oldest first), else an idle authenticated one; only a server whose every
-    slot does authenticated work answers "busy". Clients with a token send AUTH first on each connection.
-  - Checks every message type gets (in the frame reader and _dispatch, so types added later get them too):
-    header <= untrusted_header_kb before the connection authenticated, <= max_header_kb after; JSON without
-    NaN/Infinity/overflowing floats, huge ints or nesting deeper than MAX_JSON_DEPTH; the token before any
-    payload byte is read (a request with a payload always needs it; unauthenticated: error + close, no drain).
-  - Protocol errors (wrong magic/version/type, oversized lengths, bad JSON, truncated frame, timeout) get an
-    ERROR frame and a closed connection; request errors (bad token, bad arguments, stale version) get an
-    ERROR frame and the connection stays usable (the payload is drained, never stored).
-  - Weights: at most one push in flight (bounds memory to max_versions + 1 copies). A version becomes
-    visible (one reference swap under a lock) only after every byte arrived and every crc matched; readers
-    send from an immutable buffer, so a pull during a push sees the previous complete version.
-    Pushing the same (version, digest) again is a no-op success, so a push retried after a lost reply works.
-  - Leased queues (e.g. "prompts", "rollouts"): put is idempotent by id (an id already ready, leased or acked
-    is dropped and reported); get leases items for lease_s; an expired lease puts the item back at the head;
-    ack removes items forever (acked ids remembered, max_acked_ids most recent); requeue releases all leases;
-    release hands live items back with new contents (a preempted worker's partial rollouts), re-issued first.
-    Bounded by max_queue_items and max_queue_mb (ready + leased). Back-pressure: put waits up to wait_s for
-    room, accepts what fits in order, and the client raises QueueFullError for the rest; retrying the whole
-    batch is safe because accepted ids are dropped as duplicates.
-  - Persistence (--run_dir): each queue is an append-only log queue-<name>.log of PUT / ACK / FAIL / UPDATE
-    records (each with a crc32; a torn tail after a crash is cut off). A change is fsync'ed to the log before it
-    is applied in memory or answered; a failed write (ENOSPC, EIO) is cut off again and answered StorageError
-    (see _Queue). Compacted at startup and when the log grows past 2x its live size (temp file + fsync +
-    rename), ready and leased items alike. Leases are not persisted: after a restart every unacked item is ready
-    again. The newest weight version is written by a background thread to weights.bin (temp + fsync + rename;
-    same frame format as a pull reply) so a push is not slowed by disk; a crash can lose a version that was
-    still being written, which the trainer re-publishes (SPEC).
-  - Failed items: FAIL counts failures per leased item; after max_failures the item is quarantined (removed,
-    recorded in the log) and a notice is put in "<queue>.failed" for the producer.
-  - Auth: push, stage, commit, staged with keep (it collects versions), put, get (it leases), ack, requeue, fail
-    and auth need the shared token (hmac.compare_digest); the other reads do not. The server binds 127.0.0.1
-    unless told otherwise.
-
-Sharded mode (a pod: S shard servers, one per trainer host; the JAX side is shards.py):
-  STAGE    one piece of a tensor (a trainer shard, tagged with its global slice [[start, stop], ...], version and
-           a publish nonce); invisible to readers. Staged versions are bounded: max_versions committed + 2.
-  STAGED   the pieces staged for (version, nonce); with keep=[committed versions] also drops older unkept ones.
-  COMMIT   the manifest (JSON payload: every tensor's shape, dtype, pieces with crc and server) made visible,
-           written LAST by the coordinator once every server holds every piece; max_versions are kept.
-  MANIFEST the newest manifest newer than v (waits like pull).
-  FETCH    sub-slices of staged pieces (the server cuts them; only the needed bytes travel), crc-checked; a piece
-           whose stored crc differs from the requested one (replaced or collected) is refused.
-  DELTA    like FETCH, for a reader that holds the same slices of an older version `base`: per piece, an encoding
-           of only what changed (delta_encode: sparse positions + XORed values, or the XOR of all bytes, either
-           zlib-compressed, whichever is smaller, else the full bytes) with the crc of the RESULT, which the
-           reader checks after applying it. Served only against the immediately previous version staged here
-           (else "full": a reader that skipped a version, or a server that restarted since, gets full bytes),
-           built once per (piece, sub-slice, base) for the whole fleet and cached beside the staged version it
-           belongs to, so the cache goes when the version is collected; a version's cached deltas never exceed
-           its own staged bytes (past that they are rebuilt per request). Memory: at most max_versions + 2
-           staged versions, each with at most 2x its bytes (pieces + deltas).
-  Staged pieces and manifests live in memory only: after a restart the trainer re-publishes (SPEC).
-
-Public API:
-  ServerConfig(host="127.0.0.1", port=0, token=None, run_dir=None, max_versions=2, ...)   frozen dataclass
-  Server(cfg): .start() -> self, .port, .stop(), .serve_forever();  serve(cfg) blocks until SIGTERM/SIGINT.
-  Client(host="127.0.0.1", port=5555, token=None, timeout_s=30.0, retries=8, backoff_s=0.05, max_backoff_s=2.0)
-    .push(version: int, tensors: dict[str, np.ndarray]) -> None
-    .pull(newer_than: int = -1, wait_s: float = 0.0, version: int | None = None)
-        -> (version, dict[str, np.ndarray]) | None
-    .latest_version() -> int                       (-1 when none; pushed or committed-manifest versions)
-    .stage(version, nonce, name, index, array), .staged(version, nonce, keep) -> dict, .commit(manifest) -> kept,
-    .manifest(newer_than=-1, wait_s=0.0) -> dict | None, .fetch(version, pieces) -> [np.ndarray]   (sharded mode)
-    .delta(version, base, pieces) -> [{"enc", "crc", "changed", "data"}]   (sharded mode; apply with delta_apply)
-    .put(queue, items: list[dict], wait_s=0.0) -> {"accepted": int, "duplicates": [ids]}
-    .get(queue, max_items, wait_s=0.0, lease_s=300.0) -> list[dict]
-    .ack(queue, ids) -> {"acked": int, "unknown": [ids]}
-    .requeue(queue, ids=None) -> int               (number of leases released: all, or just those ids)
-    .release(queue, items) -> {"released": n, "unknown": [ids]}  (leased items back with new contents)
-    .fail(queue, ids, reason) -> {"failed": [ids], "quarantined": [ids]}
-    .stats() -> dict
-    .close()
-  Items are dicts with a str "id" plus JSON-able fields and np.ndarray / list-of-np.ndarray fields.
-  The client is thread-safe (one connection, requests serialized by a lock); use one Client per thread for
-  parallel transfers. Every call reconnects with exponential backoff (the server may restart) and raises
-  ConnectionError after `retries` failed attempts. get() retried after a lost reply may lease extra items;
-  those simply expire and are re-issued (delivery is at-least-once; the consumer acks, and the trainer
-  records consumed ids in its checkpoint, which makes it exactly-once end to end).
-  read_token(path) -> str.
-  Errors: PermissionError (token), ValueError (bad request), ProtocolError, ChecksumError, QueueFullError,
-  StorageError (the server's disk refused: nothing changed), ConnectionError (retry budget spent).
-
-Run:
-  python param_server.py --port=5555 --token_file=runs/token --run_dir=runs/ps
-  python -m pytest -q tests/test_param_server.py
-  python bench_param_server.py --size_mb=1024
-  python bench_faults.py          # kill -9 / ENOSPC / EIO at every queue crash point; hostile load beside clients
+Run: python param_server.py --port=5555 --token_file=runs/token --run_dir=runs/ps   (SIGTERM stops it cleanly)
+Bench: python -m bench.server --size_mb=1024;  python -m bench.faults
 """
 import collections
+import concurrent.futures
 import dataclasses
 import hmac
 import itertools
@@ -137,17 +68,16 @@ import numpy as np
 
 import common
 
-MAGIC = b"RLPS"
-PROTOCOL_VERSION = 1
+MAGIC, PROTOCOL_VERSION = b"RLPS", 1
 PREFIX = struct.Struct("<4sHHIQ")  # magic, protocol version, message type, header len, payload len
-PUSH, PULL, LATEST, PUT, GET, ACK, REQUEUE, STATS = range(1, 9)
-STAGE, STAGED, COMMIT, MANIFEST, FETCH, DELTA = range(9, 15)  # sharded weights (see "Sharded mode" above)
+LATEST, PUT, GET, ACK, REQUEUE, STATS = range(3, 9)
+STAGE, STAGED, COMMIT, MANIFEST, FETCH, DELTA = range(9, 15)
 AUTH, FAIL = 32, 33
 OK, ERROR = 64, 65
-REQUEST_TYPES = {PUSH: "push", PULL: "pull", LATEST: "latest", PUT: "put", GET: "get", ACK: "ack",
-                 REQUEUE: "requeue", STATS: "stats", STAGE: "stage", STAGED: "staged", COMMIT: "commit",
-                 MANIFEST: "manifest", FETCH: "fetch", DELTA: "delta", AUTH: "auth", FAIL: "fail"}
-NEEDS_TOKEN = {PUSH, PUT, GET, ACK, REQUEUE, STAGE, COMMIT, AUTH, FAIL}
+REQUEST_TYPES = {LATEST: "latest", PUT: "put", GET: "get", ACK: "ack", REQUEUE: "requeue", STATS: "stats",
+                 STAGE: "stage", STAGED: "staged", COMMIT: "commit", MANIFEST: "manifest", FETCH: "fetch",
+                 DELTA: "delta", AUTH: "auth", FAIL: "fail"}
+NEEDS_TOKEN = {PUT, GET, ACK, REQUEUE, STAGE, COMMIT, AUTH, FAIL}
 MAX_JSON_DEPTH = 32   # headers are flat records; deep nesting only costs the parser (and recursion) memory
 MAX_NDIM = 32
 CHUNK = 8 << 20  # socket I/O granularity: big enough to amortize syscalls, small enough for rate deadlines
@@ -162,25 +92,23 @@ class ProtocolError(ValueError):
 
 
 class ChecksumError(RuntimeError):
-  """Received tensor bytes do not match the checksum the pusher computed."""
+  """Received tensor bytes do not match the sender's crc."""
 
 
 class QueueFullError(RuntimeError):
   """put() found no room within wait_s; the message says how many were accepted. Retrying is safe."""
 
 
-class _Refused(Exception):
-  """A well-formed request the server declines; the reply carries `code` and the connection stays open.
-  payload_read: the request's payload was already received (so it must not be drained again)."""
-
-  def __init__(self, code, msg, payload_read=False):
-    super().__init__(msg)
-    self.code, self.payload_read = code, payload_read
-
-
 class StorageError(RuntimeError):
-  """The server could not make a put/ack/fail durable (disk full, I/O error): nothing was stored or changed.
-  Not the request's fault; retrying later is safe."""
+  """The server could not make a put/ack/fail durable (disk full, I/O error): nothing changed; retry later."""
+
+
+class _Refused(Exception):
+  """A well-formed request the server declines: the reply carries `code` and the connection stays open."""
+
+  def __init__(self, code, msg):
+    super().__init__(msg)
+    self.code = code
 
 
 class _Truncated(ConnectionError):
@@ -191,25 +119,12 @@ class _AuthClose(Exception):
   """An unauthenticated request that carries a payload: refused and the connection closed, payload unread."""
 
 
-class _Conn:
-  """A server-side connection's slot state, read by the accept loop to pick whom to evict when full."""
-  __slots__ = ("sock", "trusted", "state", "since")
-
-  def __init__(self, sock):
-    self.sock, self.trusted, self.state, self.since = sock, False, "idle", time.monotonic()
-
-  def set(self, state):
-    self.state, self.since = state, time.monotonic()
-
-  def kick(self):
-    try:
-      self.sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-      pass
-
-
 class _Idle(TimeoutError):
   """No request started within the idle timeout: the server closes silently (there is nothing to answer)."""
+
+
+def _int(x):
+  return isinstance(x, int) and not isinstance(x, bool)
 
 
 # ----------------------------------------------------------------------------------------------- framing
@@ -246,20 +161,12 @@ def _recv_into(sock, mv, deadline, what, on_progress=None):
       on_progress(got)
 
 
-def _frame_head(mtype, header, payload_len):
-  hb = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()  # the peer refuses NaN anyway
-  return PREFIX.pack(MAGIC, PROTOCOL_VERSION, mtype, len(hb), payload_len) + hb
-
-
 def _send_frame(sock, mtype, header, parts=(), *, deadline):
-  """Send one frame; parts are bytes-like payload pieces sent without copying (8 MiB slices)."""
-  _send_parts(sock, _frame_head(mtype, header, sum(memoryview(p).nbytes for p in parts)), parts, deadline)
-
-
-def _send_parts(sock, head, parts, deadline):
-  """Sends a frame's prefix + header (_frame_head, or one prebuilt and shared) and then its payload parts."""
+  """Sends one frame; the payload parts (bytes-like) go out without copying, in CHUNK slices."""
   mvs = [memoryview(p).cast("B") for p in parts]
   total = sum(len(m) for m in mvs)
+  hb = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()  # the peer refuses NaN anyway
+  head = PREFIX.pack(MAGIC, PROTOCOL_VERSION, mtype, len(hb), total) + hb
   mvs = [memoryview(head + b"".join(mvs))] if total <= 65536 else [memoryview(head)] + mvs  # small: one syscall
   for m in mvs:
     for i in range(0, len(m), CHUNK):
@@ -272,7 +179,7 @@ def _send_parts(sock, head, parts, deadline):
 
 def _finite(text):
   x = float(text)
-  if x != x or x in (float("inf"), float("-inf")):
+  if not math.isfinite(x):
     raise ValueError(f"non-finite number {text!r}")
   return x
 
@@ -281,37 +188,28 @@ def _no_constant(name):
   raise ValueError(f"non-finite number {name} is not allowed")
 
 
-def _json_depth_ok(obj, limit):
-  stack = [(obj, 1)]
-  while stack:
-    o, d = stack.pop()
-    if isinstance(o, (dict, list)):
-      if d > limit:
-        return False
-      stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
-  return True
-
-
 def parse_header(hb):
-  """A frame header's bytes -> dict. Refuses (ProtocolError) what every message type must refuse: bad UTF-8 or
-  JSON, NaN / Infinity / overflowing floats (NaN defeats deadline arithmetic), ints of > 4300 digits, nesting
-  deeper than MAX_JSON_DEPTH, and anything but an object."""
+  """A frame header's bytes -> dict. Refuses (ProtocolError) bad UTF-8 or JSON, NaN / Infinity / overflowing floats
+  (NaN defeats deadline arithmetic), ints of > 4300 digits, nesting deeper than MAX_JSON_DEPTH, a non-object."""
   try:
     header = json.loads(hb, parse_constant=_no_constant, parse_float=_finite)
   except (UnicodeDecodeError, ValueError, RecursionError) as e:
     raise ProtocolError(f"frame header is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
   if not isinstance(header, dict):
     raise ProtocolError(f"frame header must be a JSON object, got {type(header).__name__}")
-  if not _json_depth_ok(header, MAX_JSON_DEPTH):
-    raise ProtocolError(f"frame header nests deeper than {MAX_JSON_DEPTH} levels")
+  stack = [(header, 1)]
+  while stack:
+    o, d = stack.pop()
+    if isinstance(o, (dict, list)):
+      if d > MAX_JSON_DEPTH:
+        raise ProtocolError(f"frame header nests deeper than {MAX_JSON_DEPTH} levels")
+      stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
   return header
 
 
 def _read_prefix_header(sock, first_deadline, header_timeout_s, max_header, on_start=None):
   """Reads prefix + JSON header. Returns (mtype, header dict, payload_len) or None on a clean EOF.
-
-  max_header: an int, or a function of the message type (the server allows less before a client authenticated).
-  on_start(): called once the first byte arrived (the connection is then busy, not idle)."""
+  max_header: an int, or a function of the message type. on_start(): called once the first byte arrived."""
   pre = bytearray(PREFIX.size)
   mv = memoryview(pre)
   # The first byte may take long (an idle connection between requests); the rest must follow promptly.
@@ -340,19 +238,13 @@ def _read_prefix_header(sock, first_deadline, header_timeout_s, max_header, on_s
   return mtype, parse_header(hb), plen
 
 
-def _crcs(buf, sizes):
-  """Per-tensor crc32s of a buffer holding tensors of `sizes` bytes back to back."""
-  mv, ends = memoryview(buf).cast("B"), itertools.accumulate(sizes)
-  return [zlib.crc32(mv[e - n:e]) for n, e in zip(sizes, ends)]
-
-
 def _recv_with_crcs(sock, buf, sizes, deadline, what):
-  """Fills buf from sock while per-tensor crc32s are computed alongside (in a helper thread for big payloads);
-  returns the crcs. Both the server (push) and the client (pull) receive tensors this way."""
+  """Fills buf from sock and returns the crc32 of each of its tensors (`sizes` bytes back to back), computed in a
+  helper thread while big payloads arrive."""
   mv = memoryview(buf).cast("B")
   if len(mv) < (4 << 20):
     _recv_into(sock, mv, deadline, what)
-    return _crcs(mv, sizes)
+    return [zlib.crc32(mv[e - n:e]) for n, e in zip(sizes, itertools.accumulate(sizes))]
   progress, crcs, err = queue_lib.SimpleQueue(), [], []
 
   def run():
@@ -394,11 +286,10 @@ def _check_specs(specs, payload_len, what):
     name, dtype, shape, nbytes = s.get("name", ""), s.get("dtype"), s.get("shape"), s.get("nbytes")
     if dtype not in DTYPES:
       raise ValueError(f"{what}: tensor {name!r} has unsupported dtype {dtype!r} (allowed: {sorted(DTYPES)})")
-    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_int(d) and d >= 0 for d in shape):
       raise ValueError(f"{what}: tensor {name!r} has bad shape {shape!r:.200} (want <= {MAX_NDIM} ints >= 0)")
     # math.prod is exact: np.prod in int64 wraps, and [2**32, 2**32] would pass as 0 bytes.
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes != math.prod(shape) * DTYPES[dtype]:
+    if not _int(nbytes) or nbytes != math.prod(shape) * DTYPES[dtype]:
       raise ValueError(f"{what}: tensor {name!r} nbytes={nbytes!r} does not match {dtype}{shape}")
     sizes.append(nbytes)
   if sum(sizes) != payload_len:
@@ -406,14 +297,8 @@ def _check_specs(specs, payload_len, what):
   return sizes
 
 
-def _check_crcs(specs, crcs, what):
-  """Server side: the received tensors' crcs against the declared ones (the payload has been read)."""
-  for s, c in zip(specs, crcs):
-    if s["crc"] != c:
-      raise _Refused("checksum", f"{what}: tensor {s['name']!r} crc {c} != declared {s['crc']}", payload_read=True)
-
-
 def _digest(version, specs):
+  """crc32 over a reply's tensor table, so the table is covered too, not only the bytes."""
   table = [[s["name"], s["dtype"], s["shape"], s["nbytes"], s["crc"]] for s in specs]
   return zlib.crc32(json.dumps([version, table], separators=(",", ":")).encode())
 
@@ -434,8 +319,7 @@ def _as_wire_array(value, what):
     a = a.astype(a.dtype.newbyteorder("<"))
   shape = list(a.shape)  # before ascontiguousarray, which turns 0-d into 1-d
   a = np.ascontiguousarray(a)
-  spec = {"dtype": a.dtype.name, "shape": shape, "nbytes": a.nbytes}
-  return spec, a.reshape(-1).view(np.uint8)
+  return {"dtype": a.dtype.name, "shape": shape, "nbytes": a.nbytes}, a.reshape(-1).view(np.uint8)
 
 
 def _views(buf, specs, base=0):
@@ -448,34 +332,7 @@ def _views(buf, specs, base=0):
   return out
 
 
-# ----------------------------------------------------------------------------------------------- server
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerConfig:
-  host: str = "127.0.0.1"
-  port: int = 0                      # 0 = pick a free port (see Server.port)
-  token: str | None = None           # shared secret; None refuses every op that needs it
-  run_dir: str | None = None         # persistence directory; None = in memory only
-  max_versions: int = 2              # weight versions kept in memory
-  max_queue_items: int = 100_000     # per queue, ready + leased
-  max_queue_mb: float = 1024.0       # per queue, ready + leased payload bytes
-  max_acked_ids: int = 1_000_000     # per queue, most recent acked ids remembered (and persisted)
-  max_queues: int = 16
-  max_payload_mb: float = 16384.0    # cap on one push (all tensors of one version)
-  max_put_mb: float = 256.0          # cap on one put request / one get reply
-  max_header_kb: float = 1024.0      # cap on a frame's JSON header once the connection authenticated
-  untrusted_header_kb: float = 64.0  # cap before that (bounds what unauthenticated clients make us hold)
-  max_tensors: int = 100_000         # cap on tensors per version
-  max_clients: int = 1024            # concurrent connections; when full, the least useful one is evicted
-  idle_timeout_s: float = 300.0      # a connection with no request for this long is closed
-  header_timeout_s: float = 10.0     # prefix + header must arrive within this after the first byte
-  min_rate_mb_s: float = 1.0         # payloads get header_timeout_s + size / this rate to arrive or drain
-  max_wait_s: float = 60.0           # cap on a pull/get/put server-side wait
-  max_lease_s: float = 86400.0
-  fsync: bool = True                 # fsync queue logs before replying (durability of put/ack)
-  compact_min_mb: float = 64.0       # a queue log is compacted once past max(this, 2x its live size)
-  max_failures: int = 3              # FAIL reports after which a queue item is quarantined
+# ----------------------------------------------------------------------------------------------- delta codec
 
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # an element's bits, whatever its dtype
@@ -484,16 +341,16 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # an element's 
 def delta_encode(new, old, itemsize):
   """What a reader holding bytes `old` needs to rebuild bytes `new` (same length, elements of `itemsize` bytes).
 
-  Returns (enc, payload, changed elements), the smallest of, measured each time (sizes depend on the step):
+  Returns (enc, payload, changed elements), the smallest of:
     "sparse_zlib"  zlib level 1 of the changed elements' position gaps (uint32) and their XOR against the old
                    value, each split into byte planes: the gaps' high bytes are ~all zero, and an RL step on bf16
                    weights flips only the low mantissa bits of an element, so both compress well. Tried while
                    the changed elements' raw (position, value) pairs are no bigger than the slice itself.
     "xor_zlib"     zlib level 1 of new XOR old (unchanged elements are zero bytes): wins when most elements
-                   changed (e.g. fp32 weights, or the first step after init).
+                   changed (fp32 weights, or the first step after init).
     "full"         the new bytes themselves, where a delta would be larger.
-  Measured on this box (bf16, N(0, 0.02) weights, 20M elements): 1.5% changed -> sparse_zlib 1.1% of the bytes
-  vs xor_zlib 3.1%, and 2x faster to apply; 7% -> 4.7% vs 10%.
+  On bf16 N(0, 0.02) weights with 1.5% of elements changed, sparse_zlib is 1.1% of the bytes (xor_zlib 3.1%) and
+  twice as fast to apply.
   """
   if len(new) != len(old) or itemsize not in _UINT or len(new) % itemsize:
     raise ValueError(f"delta_encode: {len(new)} new vs {len(old)} old bytes, itemsize {itemsize}")
@@ -507,7 +364,7 @@ def delta_encode(new, old, itemsize):
     planes = [gaps.view(np.uint8).reshape(-1, 4).T.reshape(-1),
               x[pos].view(np.uint8).reshape(-1, itemsize).T.reshape(-1)]
     best = min(best, ("sparse_zlib", zlib.compress(np.concatenate(planes), 1)), key=lambda e: len(e[1]))
-  # sparse_zlib under 2% of the slice: xor_zlib always measured larger here; skip its cost (the whole slice).
+  # sparse_zlib under 2% of the slice: xor_zlib always measured larger there; skip its cost (the whole slice).
   if changed and not (best[0] == "sparse_zlib" and len(best[1]) * 50 < len(new)):
     best = min(best, ("xor_zlib", zlib.compress(x, 1)), key=lambda e: len(e[1]))
   return best[0], best[1], changed
@@ -549,6 +406,154 @@ def delta_apply(enc, payload, base, itemsize):
   return base
 
 
+# ----------------------------------------------------------------------------------------------- reassembly
+
+
+def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None):
+  """Reassembles the version `manifest` describes on the host: yields (name, {slice: np.ndarray}) for each tensor of
+  wanted = {name: [global slice ((start, stop), ...)]}, one tensor at a time (so one tensor's host buffers are
+  alive at once), fetching from the servers that hold its pieces in parallel. clients: {"host:port": Client},
+  filled on demand.
+
+  Delta sync: base = the manifest of an older version the reader holds, held(name, slices) -> {slice: writable host
+  copy of base's bytes} for the slices it has. Those come as DELTAs, applied in place; the RESULT's crc must equal
+  the new version's, so a wrong or corrupted base or a lost delta never goes unnoticed: such a piece, like one the
+  server has no base for (the reader skipped a version, or the server restarted), is fetched in full.
+  stats (a dict) gets bytes (what crossed the wire), full_bytes (what a full pull moves), changed_bytes over
+  covered_bytes (the pieces that came as deltas), pieces by encoding, and fallbacks (crc mismatches refetched).
+  """
+  version = manifest["version"]
+  if base is not None and base["version"] >= version:
+    raise ValueError(f"pull: base v{base['version']} is not older than manifest v{version}")
+  conns = [clients[a] if a in clients else clients.setdefault(a, connect(a)) for a in manifest["servers"]]
+  st = {} if stats is None else stats
+  st.update(bytes=0, full_bytes=0, changed_bytes=0, covered_bytes=0, pieces={}, fallbacks=0)
+  with concurrent.futures.ThreadPoolExecutor(len(conns)) as pool:
+    for name, slices in wanted.items():
+      t = manifest["tensors"][name]
+      dt = _np_dtype(t["dtype"])
+      old = held(name, list(slices)) if base is not None else {}
+      bufs = {w: old[w] if w in old else np.empty([b - a for a, b in w], dt) for w in slices}
+      base_crc = {json.dumps(p["index"]): p["crc"] for p in base["tensors"][name]["pieces"]} if old else {}
+      jobs = {}  # server -> [(fetch request, (slice, destination within its buffer))]
+      for w in bufs:
+        covered = 0
+        for p in t["pieces"]:
+          lo = [max(a, pa) for (a, _), (pa, _) in zip(w, p["index"])]
+          hi = [min(b, pb) for (_, b), (_, pb) in zip(w, p["index"])]
+          if any(l >= h for l, h in zip(lo, hi)):
+            continue
+          sub = [[l - pa, h - pa] for l, h, (pa, _) in zip(lo, hi, p["index"])]
+          dest = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, w))
+          req = dict(name=name, index=p["index"], crc=p["crc"], sub=sub)
+          if w in old and json.dumps(p["index"]) in base_crc:
+            req["base_crc"] = base_crc[json.dumps(p["index"])]
+          jobs.setdefault(p["server"], []).append((req, (w, dest)))
+          covered += math.prod(h - l for l, h in zip(lo, hi))
+        if covered != bufs[w].size:
+          raise ValueError(f"manifest v{version}: pieces of {name!r} cover {covered} of the {bufs[w].size} "
+                           f"elements of slice {w}")
+      again = {}  # server -> jobs whose delta did not rebuild the new bytes: fetched in full below
+      for k, full, got in pool.map(lambda k: (k, *_get(conns[k], version, base, jobs[k])), list(jobs)):
+        for (_, (w, dest)), a in full:
+          bufs[w][dest] = a
+          st["bytes"] += a.nbytes
+        for (req, (w, dest)), r in got:
+          st["bytes"] += len(r["data"])
+          st["pieces"][r["enc"]] = st["pieces"].get(r["enc"], 0) + 1
+          if r["changed"] >= 0:
+            st["changed_bytes"] += r["changed"] * dt.itemsize
+            st["covered_bytes"] += bufs[w][dest].nbytes
+          if not _apply(r, bufs[w], dest):
+            st["fallbacks"] += 1
+            again.setdefault(k, []).append(({kk: v for kk, v in req.items() if kk != "base_crc"}, (w, dest)))
+      for k, full, _ in pool.map(lambda k: (k, *_get(conns[k], version, None, again[k])), list(again)):
+        for (_, (w, dest)), a in full:
+          bufs[w][dest] = a
+          st["bytes"] += a.nbytes
+      st["full_bytes"] += sum(b.nbytes for b in bufs.values())
+      yield name, bufs
+
+
+def _get(conn, version, base, jobs):
+  """One server's part of a pull: ([(job, array)] fetched in full, [(job, delta reply)])."""
+  plain = [j for j in jobs if "base_crc" not in j[0]]
+  delta = [j for j in jobs if "base_crc" in j[0]]
+  return (list(zip(plain, conn.fetch(version, [r for r, _ in plain]))) if plain else [],
+          list(zip(delta, conn.delta(version, base["version"], [r for r, _ in delta]))) if delta else [])
+
+
+def _apply(r, buf, dest):
+  """Rebuilds buf[dest] from a delta reply in place (on a contiguous copy if the region is not contiguous);
+  True if the result's crc is the new version's."""
+  cur = np.ascontiguousarray(buf[dest])
+  try:
+    delta_apply(r["enc"], r["data"], cur, cur.dtype.itemsize)
+  except ValueError:
+    return False
+  if not np.may_share_memory(cur, buf):
+    buf[dest] = cur
+  return zlib.crc32(cur.reshape(-1).view(np.uint8)) == r["crc"]
+
+
+# ----------------------------------------------------------------------------------------------- server
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+  host: str = "127.0.0.1"
+  port: int = 0                      # 0 = pick a free port (see Server.port)
+  token: str | None = None           # shared secret; None refuses every op that needs it
+  run_dir: str | None = None         # queue logs; None = in memory only
+  max_versions: int = 2              # committed manifests kept (staged versions: this + 2)
+  max_queue_items: int = 100_000     # per queue, ready + leased
+  max_queue_mb: float = 1024.0       # per queue, ready + leased payload bytes
+  max_acked_ids: int = 1_000_000     # per queue, most recent acked ids remembered (and persisted)
+  max_queues: int = 16
+  max_payload_mb: float = 16384.0    # cap on one staged piece or manifest
+  max_put_mb: float = 256.0          # cap on one put request / one get reply
+  max_header_kb: float = 1024.0      # cap on a frame's JSON header once the connection authenticated
+  untrusted_header_kb: float = 64.0  # cap before that (bounds what unauthenticated clients make us hold)
+  max_tensors: int = 100_000         # cap on the pieces of one FETCH / DELTA
+  max_clients: int = 1024            # concurrent connections; when full, the least useful one is evicted
+  idle_timeout_s: float = 300.0      # a connection with no request for this long is closed
+  header_timeout_s: float = 10.0     # prefix + header must arrive within this after the first byte
+  min_rate_mb_s: float = 1.0         # payloads get header_timeout_s + size / this rate to arrive or drain
+  max_wait_s: float = 60.0           # cap on a manifest/get/put server-side wait
+  max_lease_s: float = 86400.0
+  fsync: bool = True                 # fsync queue logs before replying (durability of put/ack)
+  compact_min_mb: float = 64.0       # a queue log is compacted once past max(this, 2x its live size)
+  max_failures: int = 3              # FAIL reports after which a queue item is quarantined
+
+
+def _wait(cond, done, end, stopped, tick=None):
+  """Waits on `cond` (the caller holds it) until done(), the deadline `end` (time.monotonic()) or `stopped` is set;
+  returns whether done(). tick: the longest single wait (for conditions that change without a notify)."""
+  while not done():
+    left = end - time.monotonic()
+    if left <= 0 or stopped.is_set():
+      return False
+    cond.wait(left if tick is None else min(left, tick))
+  return True
+
+
+def _seconds(h, key, default, hi, clamp=True):
+  """A duration field of a request: a finite int/float (not a str, not a bool), clamped to [0, hi] (waits) or
+  refused above hi (clamp=False). NaN would defeat every deadline computed from it."""
+  x = h.get(key, default)
+  if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+    raise ValueError(f"{key} must be a finite number of seconds, got {x!r:.50}")
+  if not clamp and x > hi:
+    raise ValueError(f"{key}={x} exceeds the limit of {hi} s")
+  return min(max(float(x), 0.0), hi)
+
+
+def _check_crcs(specs, crcs, what):
+  for s, c in zip(specs, crcs):
+    if s["crc"] != c:
+      raise _Refused("checksum", f"{what}: tensor {s['name']!r} crc {c} != declared {s['crc']}")
+
+
 def _cut(version, piece, sub):
   """(bytes, crc, shape) of the sub-slice `sub` ([[start, stop], ...] within the piece, None = all) of a staged
   piece (spec, index, buf). Slices leading dims of a (shape..., itemsize) byte view: dtypes are never interpreted."""
@@ -556,7 +561,7 @@ def _cut(version, piece, sub):
   if sub is None or sub == [[0, b - a] for a, b in index]:  # the whole piece: its stored crc holds
     return memoryview(buf), spec["crc"], spec["shape"]
   if not (isinstance(sub, list) and len(sub) == len(index) and all(
-      isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0] <= r[1] <= b - a
+      isinstance(r, list) and len(r) == 2 and _int(r[0]) and _int(r[1]) and 0 <= r[0] <= r[1] <= b - a
       for r, (a, b) in zip(sub, index))):
     raise ValueError(f"fetch v{version} {spec['name']!r}: sub {sub!r} outside piece {index}")
   raw = np.frombuffer(buf, np.uint8).reshape(*spec["shape"], DTYPES[spec["dtype"]])
@@ -588,13 +593,158 @@ class _Once:
       return self.value
 
 
-class _Version:
-  __slots__ = ("version", "specs", "digest", "buf", "head")
+class _Weights:
+  """The weight store: staged pieces per version (invisible until committed), committed manifests, the delta cache.
+  Each request handler takes (header, payload) and returns (reply header, payload parts); all state is guarded by
+  self.cond, which MANIFEST waits on."""
 
-  def __init__(self, version, specs, digest, buf):
-    self.version, self.specs, self.digest, self.buf = version, specs, digest, buf
-    # The pull reply's prefix + header, built once and shared by every puller.
-    self.head = _frame_head(OK, {"version": version, "tensors": specs, "digest": digest}, len(buf))
+  def __init__(self, cfg, stopped):
+    self.cfg, self.stopped, self.cond = cfg, stopped, threading.Condition()
+    self.staged = {}     # version -> {"nonce", "pieces": {(name, index JSON): (spec, index, buf)}, "nbytes",
+    #                                  "deltas": {key: _Once}, "delta_bytes"}
+    self.keep = set()    # versions the coordinator said are committed (collected last)
+    self.manifests = []  # [(version, manifest JSON bytes)], oldest first
+    self.delta_builds = 0
+
+  def latest(self):
+    with self.cond:
+      return self.manifests[-1][0] if self.manifests else -1
+
+  def stage(self, h, payload):
+    version, nonce, name, index = h.get("version"), h.get("nonce"), h.get("name"), h.get("index")
+    if not _int(version) or version < 0 or not isinstance(nonce, int):
+      raise ValueError(f"stage: version must be a non-negative int and nonce an int, got {version!r}, {nonce!r}")
+    if not isinstance(name, str) or not 0 < len(name) <= 1024:
+      raise ValueError(f"stage v{version}: bad tensor name {name!r}")
+    spec = dict(name=name, dtype=h.get("dtype"), shape=h.get("shape"), nbytes=h.get("nbytes"), crc=h.get("crc"))
+    _check_specs([spec], payload.n, f"stage v{version}")
+    if not (isinstance(index, list) and len(index) == len(spec["shape"]) and all(
+        isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and r[1] - r[0] == d
+        for r, d in zip(index, spec["shape"]))):
+      raise ValueError(f"stage v{version} {name!r}: index {index!r} does not match shape {spec['shape']}")
+    buf, crcs = payload.recv([payload.n], f"stage v{version} {name!r}")
+    _check_crcs([spec], crcs, f"stage v{version}")
+    with self.cond:
+      st = self.staged.get(version)
+      if st is None or st["nonce"] != nonce:  # a new publish of this version (e.g. by a restarted trainer)
+        while len(self.staged) >= self.cfg.max_versions + 2:  # the oldest uncommitted ones go first
+          del self.staged[min(self.staged, key=lambda v: (v in self.keep, v))]
+        st = self.staged[version] = {"nonce": nonce, "pieces": {}, "nbytes": 0, "deltas": {}, "delta_bytes": 0}
+      prev = st["pieces"].get((name, json.dumps(index)))
+      st["nbytes"] += payload.n - (len(prev[2]) if prev else 0)
+      st["pieces"][(name, json.dumps(index))] = (spec, index, buf)
+    return {"version": version}, ()
+
+  def staged_table(self, h, payload):
+    """The pieces staged for (version, nonce); with "keep" (sent by the coordinator after each commit) drops the
+    staged versions older than the newest kept one that are not kept."""
+    version, nonce, keep = h.get("version"), h.get("nonce"), h.get("keep")
+    with self.cond:
+      if keep is not None:
+        if not (isinstance(keep, list) and all(isinstance(v, int) for v in keep)):
+          raise ValueError(f"staged: keep must be a list of ints, got {keep!r}")
+        self.keep = set(keep)
+        for v in [v for v in self.staged if keep and v < max(keep) and v not in self.keep]:
+          del self.staged[v]
+      st = self.staged.get(version)
+      pieces = [] if st is None or st["nonce"] != nonce else [
+          dict(name=spec["name"], index=index, dtype=spec["dtype"], crc=spec["crc"])
+          for spec, index, _ in st["pieces"].values()]
+      return {"pieces": pieces, "versions": sorted(set(self.staged) | self.keep)}, ()  # empty after a restart
+
+  def commit(self, h, payload):
+    buf = payload.recv(what="commit manifest")
+    try:
+      m = json.loads(buf)
+      version = m["version"]
+      ok = isinstance(version, int) and isinstance(m["tensors"], dict)
+    except (ValueError, KeyError, TypeError):
+      ok = False
+    if not ok:
+      raise ValueError("payload must be a JSON manifest with int 'version' and 'tensors'")
+    with self.cond:
+      if self.manifests and version <= self.manifests[-1][0]:
+        raise _Refused("stale_version", f"commit v{version} refused: latest manifest is v{self.manifests[-1][0]}")
+      self.manifests = (self.manifests + [(version, bytes(buf))])[-self.cfg.max_versions:]
+      self.cond.notify_all()
+      return {"version": version, "kept": [v for v, _ in self.manifests]}, ()
+
+  def manifest(self, h, payload):
+    newer_than = h.get("newer_than", -1)
+    if not isinstance(newer_than, int):
+      raise ValueError(f"newer_than must be an int, got {newer_than!r}")
+    end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
+    with self.cond:
+      if not _wait(self.cond, lambda: self.manifests and self.manifests[-1][0] > newer_than, end, self.stopped):
+        return {"version": None}, ()
+      version, buf = self.manifests[-1]
+    return {"version": version}, [buf]
+
+  def fetch(self, h, payload):
+    version, want = h.get("version"), h.get("pieces")
+    if not isinstance(want, list) or len(want) > self.cfg.max_tensors:
+      raise ValueError("fetch: pieces must be a list")
+    with self.cond:
+      found = [_staged_piece(self.staged.get(version), w, f"fetch v{version}")[0] for w in want]
+    specs, parts = [], []
+    for w, piece in zip(want, found):
+      part, crc, shape = _cut(version, piece, w.get("sub"))
+      spec = piece[0]
+      specs.append(dict(name=spec["name"], dtype=spec["dtype"], shape=shape, nbytes=len(part), crc=crc))
+      parts.append(part)
+    return {"version": version, "tensors": specs, "digest": _digest(version, specs)}, parts
+
+  def delta(self, h, payload):
+    version, base, want = h.get("version"), h.get("base"), h.get("pieces")
+    if not isinstance(want, list) or len(want) > self.cfg.max_tensors:
+      raise ValueError("delta: pieces must be a list")
+    if not (_int(version) and _int(base)) or base >= version:
+      raise ValueError(f"delta: base must be an int older than version, got base={base!r} version={version!r}")
+    with self.cond:
+      st = self.staged.get(version)
+      # Deltas only against the immediately previous version held here: one base per version bounds the cache.
+      older = [v for v in self.staged if v < version]
+      bst = self.staged.get(base) if older and max(older) == base else None
+      found = []
+      for w in want:
+        got, key = _staged_piece(st, w, f"delta v{version}")
+        old = bst and bst["pieces"].get(key)
+        if not old or old[0]["crc"] != w.get("base_crc") or old[0]["dtype"] != got[0]["dtype"]:
+          found.append((w, got, None, None, None))  # the reader's base is not one we hold: full bytes
+          continue
+        # Keyed by the base's crc too: a cached delta is valid for exactly the base bytes it was built from.
+        ck = key + (json.dumps(w.get("sub")), base, old[0]["crc"])
+        found.append((w, got, old, st["deltas"].setdefault(ck, _Once()), ck))
+    pieces, parts = [], []
+    for w, got, old, once, ck in found:
+      part, crc, _ = _cut(version, got, w.get("sub"))
+      if old is None:
+        enc, data, changed = "full", part, -1
+      else:
+        def build(got=got, old=old, w=w, part=part, ck=ck):
+          enc, data, changed = delta_encode(part, _cut(base, old, w.get("sub"))[0], DTYPES[got[0]["dtype"]])
+          data = None if enc == "full" else data  # "full" is served from the piece itself: no cache memory
+          with self.cond:
+            self.delta_builds += 1
+            # Bounded: a version's cached deltas never exceed its own staged bytes; past that they are rebuilt.
+            if data is not None and st["delta_bytes"] + len(data) > st["nbytes"]:
+              st["deltas"].pop(ck, None)
+            elif data is not None:
+              st["delta_bytes"] += len(data)
+          return enc, data, changed
+        enc, data, changed = once.get(build)
+        data = part if enc == "full" else data
+      pieces.append(dict(enc=enc, nbytes=len(data), crc=crc, changed=changed))
+      parts.append(data)
+    return {"version": version, "base": base, "pieces": pieces}, parts
+
+  def stats(self):
+    with self.cond:
+      return {"latest_version": self.manifests[-1][0] if self.manifests else -1,
+              "versions": [v for v, _ in self.manifests],
+              "weight_bytes": sum(st["nbytes"] for st in self.staged.values()),
+              "delta": {"builds": self.delta_builds,
+                        "cached_bytes": sum(st["delta_bytes"] for st in self.staged.values())}}
 
 
 class _Disk:
@@ -628,11 +778,16 @@ DISK = _Disk()
 
 
 class _Queue:
-  """One leased queue. All state is guarded by self.cond; the log is appended under the same lock.
+  """One leased queue and its log. All state is guarded by self.cond; the log is appended under the same lock.
   A change is fsync'ed to the log *before* it is applied in memory or answered (the reply never claims more than
   the disk holds). A failed append is cut off again (ftruncate to the last good size); if even that fails the log
   is marked broken and the next change first rewrites it from memory (compaction), so nothing is ever appended
   after a torn record (the loader stops at the first bad record)."""
+
+  # Log records: struct "<BIQI" (op, header len, payload len, crc32 of header+payload), JSON header, payload.
+  # op 1 PUT {"id", "meta"} + blob; op 2 ACK {"ids"}; op 3 FAIL {"ids", "reason", "quarantined": [ids]};
+  # op 4 UPDATE {"id", "meta"} + blob (release: new contents for a live item).
+  _REC = struct.Struct("<BIQI")
 
   def __init__(self, name, cfg):
     self.name, self.cfg = name, cfg
@@ -648,15 +803,9 @@ class _Queue:
     if self.path:
       self._load()
 
-  # Log records: struct "<BIQI" (op, header len, payload len, crc32 of header+payload), JSON header, payload.
-  # op 1 PUT {"id", "meta"} + blob; op 2 ACK {"ids"}; op 3 FAIL {"ids", "reason", "quarantined": [ids]};
-  # op 4 UPDATE {"id", "meta"} + blob (release: new contents for a live item).
-  _REC = struct.Struct("<BIQI")
-
-  def _record(self, op, header, blob=b""):
+  def record(self, op, header, blob=b""):
     hb = json.dumps(header, separators=(",", ":")).encode()
-    crc = zlib.crc32(blob, zlib.crc32(hb))
-    return self._REC.pack(op, len(hb), len(blob), crc) + hb + bytes(blob)
+    return self._REC.pack(op, len(hb), len(blob), zlib.crc32(blob, zlib.crc32(hb))) + hb + bytes(blob)
 
   def _load(self):
     good = 0
@@ -706,14 +855,14 @@ class _Queue:
     try:
       # Leased items are live too (leases are not persisted): after a restart they are ready again.
       for i, v in itertools.chain(self.leased.items(), self.ready.items()):
-        DISK.write(fd, self._record(1, {"id": i, "meta": v[0]}, v[1]))
+        DISK.write(fd, self.record(1, {"id": i, "meta": v[0]}, v[1]))
       if self.acked:
-        DISK.write(fd, self._record(2, {"ids": list(self.acked)}))
+        DISK.write(fd, self.record(2, {"ids": list(self.acked)}))
       for i, n in self.failures.items():
-        DISK.write(fd, self._record(3, {"ids": [i] * n, "reason": "", "quarantined": []}))
+        DISK.write(fd, self.record(3, {"ids": [i] * n, "reason": "", "quarantined": []}))
       for i, r in self.quarantined.items():
-        DISK.write(fd, self._record(3, {"ids": [], "reason": r["reason"], "quarantined": [i],
-                                        "failures": r["failures"]}))
+        DISK.write(fd, self.record(3, {"ids": [], "reason": r["reason"], "quarantined": [i],
+                                       "failures": r["failures"]}))
       DISK.fsync(fd)
       DISK.point("compact_tmp")
     except BaseException:
@@ -731,28 +880,34 @@ class _Queue:
     self.log_bytes = os.fstat(self.log).st_size
     self.broken = False
 
-  def write(self, records):
-    """Appends records durably, or raises OSError having left the log as it was (see the class docstring)."""
+  def write(self, records, what):
+    """Appends records durably, or raises _Refused("storage") having left the log and the queue as they were:
+    the request changed nothing, and the reply says so (a put refused for lack of disk is never a duplicate)."""
     if not self.path or not records:
       return
-    if self.broken:
-      self._compact()
     data = b"".join(records)
     try:
-      DISK.point("append")
-      DISK.write(self.log, data)
-      DISK.point("appended")
-      if self.cfg.fsync:
-        DISK.fsync(self.log)
-    except OSError:
+      if self.broken:
+        self._compact()
       try:
-        DISK.truncate(self.log, self.log_bytes)
-        DISK.fsync(self.log)
+        DISK.point("append")
+        DISK.write(self.log, data)
+        DISK.point("appended")
+        if self.cfg.fsync:
+          DISK.fsync(self.log)
       except OSError:
-        log.error("%s: cannot cut a failed append off; the log will be rewritten before the next change",
-                  self.path)
-        self.broken = True
-      raise
+        try:
+          DISK.truncate(self.log, self.log_bytes)
+          DISK.fsync(self.log)
+        except OSError:
+          log.error("%s: cannot cut a failed append off; the log will be rewritten before the next change",
+                    self.path)
+          self.broken = True
+        raise
+    except OSError as e:
+      log.error("queue %r: %s not stored: %s", self.name, what, e)
+      raise _Refused("storage", f"{what} on queue {self.name!r} not stored (nothing changed, retry later): "
+                                f"{type(e).__name__}: {e}") from None
     self.log_bytes += len(data)
     DISK.point("synced")
 
@@ -764,11 +919,6 @@ class _Queue:
         self._compact()
       except OSError as e:
         log.error("%s: compaction failed (%s); the old log stays in use", self.path, e)
-
-  def close(self):
-    if self.log is not None:
-      os.close(self.log)
-      self.log = None
 
   def _remember(self, od, i, value):
     od[i] = value
@@ -804,8 +954,7 @@ class _Queue:
 
   def reclaim(self):
     now = time.monotonic()
-    expired = [i for i, (_, _, exp) in self.leased.items() if exp <= now]
-    self.release(expired)
+    self.release([i for i, (_, _, exp) in self.leased.items() if exp <= now])
 
   def release(self, ids, head=True):
     """Leased ids go back to the head of the ready queue (re-issued first), or to its tail (head=False)."""
@@ -830,24 +979,232 @@ class _Queue:
     return i in self.ready or i in self.leased or i in self.acked or i in self.quarantined
 
 
-def _stored(m, payload, off, n):
-  """(meta, blob) as a queue stores an item from a PUT (or release) request: its metadata and its n bytes."""
-  return {"json": m.get("json", {}), "arrays": m.get("arrays", {}), "nbytes": n}, bytes(payload[off:off + n])
+def _ids(h, optional=False):
+  ids = h.get("ids")
+  if not (optional and ids is None) and (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)):
+    raise ValueError("ids must be a list of str" + (" or absent" if optional else ""))
+  return ids
 
 
-def _seconds(h, key, default, hi, clamp=True):
-  """A duration field of a request: a finite int/float (not a str, not a bool), clamped to [0, hi] (waits) or
-  refused above hi (clamp=False). NaN would defeat every deadline computed from it."""
-  x = h.get(key, default)
-  if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-    raise ValueError(f"{key} must be a finite number of seconds, got {x!r:.50}")
-  if not clamp and x > hi:
-    raise ValueError(f"{key}={x} exceeds the limit of {hi} s")
-  return min(max(float(x), 0.0), hi)
+class _Queues:
+  """The leased queues by name and the requests on them; handlers as in _Weights (GET also returns an undo, run
+  when its reply could not be sent)."""
+
+  def __init__(self, cfg, stopped):
+    self.cfg, self.stopped, self.lock, self.all = cfg, stopped, threading.Lock(), {}
+    self.max_put = int(cfg.max_put_mb * (1 << 20))
+    if cfg.run_dir:
+      os.makedirs(cfg.run_dir, exist_ok=True)
+      for fn in sorted(os.listdir(cfg.run_dir)):
+        m = re.match(r"^queue-(.+)\.log$", fn)
+        if m and _QUEUE_NAME.match(m.group(1)):
+          self.all[m.group(1)] = _Queue(m.group(1), cfg)
+
+  def queue(self, name, create=True):
+    if not isinstance(name, str) or not _QUEUE_NAME.match(name):
+      raise ValueError(f"bad queue name {name!r} (want 1-64 chars of [A-Za-z0-9_.-])")
+    with self.lock:
+      if name not in self.all:
+        if not create:
+          raise ValueError(f"unknown queue {name!r}")
+        if len(self.all) >= self.cfg.max_queues:
+          raise ValueError(f"too many queues (limit {self.cfg.max_queues})")
+        self.all[name] = _Queue(name, self.cfg)
+      return self.all[name]
+
+  def put(self, h, payload):
+    """PUT: new items (idempotent by id; waits up to wait_s for room), or with release=True new contents for live
+    items (Client.release)."""
+    q = self.queue(h.get("queue"))
+    metas, release = h.get("items"), h.get("release", False)
+    if not isinstance(metas, list):
+      raise ValueError("items must be a list")
+    if not isinstance(release, bool):
+      raise ValueError(f"release must be a bool, got {release!r:.40}")
+    items, total, cap_bytes = [], 0, self.cfg.max_queue_mb * (1 << 20)
+    for m in metas:
+      if not isinstance(m, dict) or not isinstance(m.get("id"), str) or not 0 < len(m["id"]) <= 256:
+        raise ValueError(f"every item needs a non-empty str id of <= 256 chars, got {m!r:.100}")
+      arrays = m.get("arrays", {})
+      if not isinstance(arrays, dict) or not isinstance(m.get("json", {}), dict):
+        raise ValueError(f"item {m['id']!r}: 'arrays' and 'json' must be objects")
+      specs = [s for v in arrays.values() for s in (v if isinstance(v, list) else [v])]
+      n = sum(_check_specs(specs, sum(s.get("nbytes", 0) for s in specs if isinstance(s, dict)),
+                           f"item {m['id']!r}"))
+      if n > cap_bytes:
+        raise ValueError(f"item {m['id']!r} is {n} bytes, more than the whole queue may hold")
+      items.append((m["id"], {"json": m.get("json", {}), "arrays": arrays, "nbytes": n}, total, n))
+      total += n
+    if total != payload.n:
+      raise ValueError(f"items declare {total} payload bytes but the frame carries {payload.n}")
+    end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
+    buf = payload.recv(what="put payload")
+    items = [(i, meta, bytes(buf[off:off + n])) for i, meta, off, n in items]
+    with q.cond:
+      if release:  # live items include ones ready again after their lease expired
+        new = {i: (meta, blob) for i, meta, blob in items if i in q.leased or i in q.ready}
+        # Logged (UPDATE) before it replaces the old contents: a restart re-issues the progress.
+        q.write([q.record(4, {"id": i, "meta": meta}, blob) for i, (meta, blob) in new.items()], "release")
+        for i, item in reversed(new.items()):
+          q.replace(i, *item)
+        q.cond.notify_all()
+        q.maybe_compact()
+        return {"accepted": list(new), "duplicates": [], "rejected": [], "depth": len(q.ready) + len(q.leased),
+                "unknown": [i for i, _, _ in items if i not in new]}, ()
+      new, new_bytes, dups, rejected, seen = {}, 0, [], [], set()  # new: applied once its records are durable
+
+      def room(n):
+        return (len(q.ready) + len(q.leased) + len(new) < self.cfg.max_queue_items
+                and q.nbytes + new_bytes + n <= cap_bytes)
+
+      def room_after_reclaim(n):  # acks and expired leases make room
+        if not room(n):
+          q.reclaim()
+        return room(n)
+
+      for i, meta, blob in items:
+        if q.known(i) or i in seen:
+          dups.append(i)
+          continue
+        seen.add(i)
+        if not _wait(q.cond, lambda: room_after_reclaim(len(blob)), end, self.stopped, tick=0.5):  # back-pressure
+          rejected.append(i)
+          end = 0.0  # the queue is full: do not wait again for each remaining item
+          continue
+        new[i] = (meta, blob)
+        new_bytes += len(blob)
+      q.write([q.record(1, {"id": i, "meta": meta}, blob) for i, (meta, blob) in new.items()], "put")
+      q.ready.update(new)
+      q.nbytes += new_bytes
+      if new:
+        q.cond.notify_all()
+      q.maybe_compact()
+      return {"accepted": list(new), "duplicates": dups, "rejected": rejected,
+              "depth": len(q.ready) + len(q.leased)}, ()
+
+  def get(self, h, payload):
+    q = self.queue(h.get("queue"))
+    max_items, lease_s = h.get("max_items"), _seconds(h, "lease_s", 300.0, self.cfg.max_lease_s, clamp=False)
+    if not isinstance(max_items, int) or max_items < 1:
+      raise ValueError(f"max_items must be a positive int, got {max_items!r}")
+    if lease_s <= 0:
+      raise ValueError(f"lease_s must be > 0, got {lease_s}")
+    end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
+    out, nbytes = [], 0
+
+    def any_ready():  # called with q.cond held
+      q.reclaim()
+      return bool(q.ready)
+
+    with q.cond:
+      _wait(q.cond, any_ready, end, self.stopped, tick=0.5)  # the tick also wakes it to reclaim expired leases
+      expiry = time.monotonic() + lease_s
+      while q.ready and len(out) < max_items:
+        i, (meta, blob) = next(iter(q.ready.items()))
+        if out and nbytes + len(blob) > self.max_put:
+          break
+        del q.ready[i]
+        q.leased[i] = (meta, blob, expiry)
+        out.append((i, meta, blob))
+        nbytes += len(blob)
+
+    def undo():  # the reply never left: hand the items straight back instead of waiting for lease expiry
+      with q.cond:
+        q.release([i for i, _, _ in out])
+    return {"items": [dict(meta, id=i) for i, meta, _ in out]}, [b for _, _, b in out], undo
+
+  def ack(self, h, payload):
+    q, ids = self.queue(h.get("queue")), _ids(h)
+    with q.cond:
+      unknown = [i for i in ids if not (i in q.ready or i in q.leased or i in q.acked)]
+      missing = set(unknown)  # once: a set per id made a long ack quadratic
+      done = [i for i in ids if i not in missing]
+      q.write([q.record(2, {"ids": done})] if done else [], "ack")
+      q.ack_ids(done)
+      q.cond.notify_all()  # room for blocked puts
+      q.maybe_compact()
+    return {"acked": len(done), "unknown": unknown}, ()
+
+  def fail(self, h, payload):
+    """FAIL (see Client.fail); a quarantine notice is {"id", "queue", "reason", "failures"}."""
+    q, ids, reason = self.queue(h.get("queue"), create=False), _ids(h), h.get("reason", "")
+    if not isinstance(reason, str):
+      raise ValueError(f"reason must be a str, got {type(reason).__name__}")
+    reason = reason[:2000]
+    with q.cond:
+      mine = list(dict.fromkeys(i for i in ids if i in q.leased))
+      quarantine = [i for i in mine if q.failures.get(i, 0) + 1 >= self.cfg.max_failures]
+      if quarantine and _QUEUE_NAME.match(q.name + ".failed"):
+        # Notices first: a crash between the two writes leaves the item live *and* noticed, which the
+        # trainer tolerates (it counts ids once); the other order could lose the notice.
+        nq = self.queue(q.name + ".failed")
+        with nq.cond:
+          new = {i: ({"json": {"queue": q.name, "reason": reason, "failures": q.failures.get(i, 0) + 1},
+                      "arrays": {}, "nbytes": 0}, b"") for i in quarantine if not nq.known(i)}
+          nq.write([nq.record(1, {"id": i, "meta": m}, b) for i, (m, b) in new.items()], "fail notice")
+          nq.ready.update(new)
+          nq.cond.notify_all()
+      q.write([q.record(3, {"ids": mine, "reason": reason, "quarantined": quarantine})], "fail")
+      q.apply_fail(mine, reason, quarantine)
+      q.maybe_compact()
+    for i in quarantine:
+      log.warning("queue %r: item %r quarantined after %d failures: %s", q.name, i, self.cfg.max_failures,
+                  reason[:200])
+    return {"failed": mine, "quarantined": quarantine}, ()
+
+  def requeue(self, h, payload):
+    q, ids = self.queue(h.get("queue")), _ids(h, optional=True)  # None: every lease (a restarted consumer)
+    with q.cond:
+      return {"released": q.release(list(q.leased) if ids is None else [i for i in ids if i in q.leased])}, ()
+
+  def stats(self):
+    out = {}
+    for name, q in list(self.all.items()):
+      with q.cond:
+        q.reclaim()
+        out[name] = {"ready": len(q.ready), "leased": len(q.leased), "acked": len(q.acked),
+                     "bytes": q.nbytes, "failing": len(q.failures), "quarantined": len(q.quarantined)}
+    return out
+
+
+class _Conn:
+  """A server-side connection's slot state, read by the accept loop to pick whom to evict when full."""
+  __slots__ = ("sock", "trusted", "state", "since")
+
+  def __init__(self, sock):
+    self.sock, self.trusted, self.state, self.since = sock, False, "idle", time.monotonic()
+
+  def set(self, state):
+    self.state, self.since = state, time.monotonic()
+
+  def kick(self):
+    try:
+      self.sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass
+
+
+class _Payload:
+  """A request's payload, left on the socket until its handler has checked the header; recv() then reads it."""
+
+  def __init__(self, sock, n, deadline):
+    self.sock, self.n, self.deadline, self.read = sock, n, deadline, False
+
+  def recv(self, sizes=None, what="payload"):
+    """The payload in a fresh buffer; with sizes (its tensors' byte sizes) (buffer, their crc32s)."""
+    self.read = True
+    if sizes is None:
+      buf = bytearray(self.n)
+      _recv_into(self.sock, memoryview(buf), self.deadline, what)
+      return buf
+    buf = _alloc(self.n)
+    return buf, _recv_with_crcs(self.sock, buf, sizes, self.deadline, what)
 
 
 class Server:
-  """The parameter server. Server(cfg).start() listens in background threads; .stop() shuts it down."""
+  """Owns the sockets: accepts connections, reads frames under deadlines and caps, checks the token, and hands each
+  request to the weight store (self.weights) or the queues (self.queues), whose reply it sends.
+  Server(cfg).start() serves in background threads; .stop() shuts it down."""
 
   def __init__(self, cfg: ServerConfig):
     if cfg.max_versions < 1:
@@ -857,55 +1214,34 @@ class Server:
     if cfg.max_failures < 1 or cfg.max_clients < 1:
       raise ValueError(f"max_failures and max_clients must be >= 1, got {cfg.max_failures}, {cfg.max_clients}")
     self.cfg = cfg
-    self._max_payload = int(cfg.max_payload_mb * (1 << 20))
-    self._max_put = int(cfg.max_put_mb * (1 << 20))
     self._max_header = int(cfg.max_header_kb * 1024)
     self._untrusted_header = min(int(cfg.untrusted_header_kb * 1024), self._max_header)
-    self._versions = []                         # kept _Version objects, oldest first
-    self._wcond = threading.Condition()
-    self._push_lock = threading.Lock()          # one push in flight bounds memory
-    self._staged = {}                           # sharded mode: version -> this server's pieces (see _stage)
-    self._keep = set()                          # versions the coordinator said are committed (never GC'd first)
-    self._manifests = []                        # sharded mode: [(version, manifest JSON bytes)], oldest first
-    self._delta_builds = 0                      # sharded mode: deltas built (each once per piece, sub and base)
-    self._queues = {}
-    self._qlock = threading.Lock()
     self._stopped = threading.Event()
+    self.weights, self.queues = _Weights(cfg, self._stopped), _Queues(cfg, self._stopped)
+    w, q, big = self.weights, self.queues, int(cfg.max_payload_mb * (1 << 20))
+    # type -> (handler, payload cap). A manifest grows with tensors x trainer shards (MBs for a 32B model on a pod),
+    # so COMMIT's payload is capped like a staged piece, not like a header.
+    self._handlers = {
+        STAGE: (w.stage, big), STAGED: (w.staged_table, 0), COMMIT: (w.commit, big), MANIFEST: (w.manifest, 0),
+        FETCH: (w.fetch, 0), DELTA: (w.delta, 0), LATEST: (lambda h, p: ({"version": w.latest()}, ()), 0),
+        PUT: (q.put, q.max_put), GET: (q.get, 0), ACK: (q.ack, 0), REQUEUE: (q.requeue, 0), FAIL: (q.fail, 0),
+        AUTH: (lambda h, p: ({"authenticated": True}, ()), 0), STATS: (lambda h, p: (self.stats(), ()), 0)}
     self._conns = {}                            # socket -> _Conn
     self._conn_lock = threading.Lock()
     self._threads = []
     self._started = time.monotonic()
-    self._pending_write = None
-    self._write_cond = threading.Condition()
-    self._writer = None
-    if cfg.run_dir:
-      os.makedirs(cfg.run_dir, exist_ok=True)
-      self._load_weights()
-      for fn in sorted(os.listdir(cfg.run_dir)):
-        m = re.match(r"^queue-(.+)\.log$", fn)
-        if m and _QUEUE_NAME.match(m.group(1)):
-          self._queues[m.group(1)] = _Queue(m.group(1), cfg)
     # A deep accept queue: when it is full the kernel drops a newcomer's SYN, which costs that client 1 s.
     self._sock = socket.create_server((cfg.host, cfg.port), backlog=max(128, min(cfg.max_clients, 4096)))
     self.port = self._sock.getsockname()[1]
-
-  # -- lifecycle
 
   def start(self):
     t = threading.Thread(target=self._accept_loop, name="ps-accept", daemon=True)
     t.start()
     self._threads.append(t)
-    if self.cfg.run_dir:
-      self._writer = threading.Thread(target=self._write_loop, name="ps-writer", daemon=True)
-      self._writer.start()
     return self
 
-  def serve_forever(self):
-    self.start()
-    self._stopped.wait()
-
   def stop(self):
-    """Stops accepting, closes every connection, wakes every waiter, flushes the pending weights write."""
+    """Stops accepting, closes every connection, wakes every waiter, closes the queue logs."""
     if self._stopped.is_set():
       return
     self._stopped.set()
@@ -913,16 +1249,22 @@ class Server:
     with self._conn_lock:
       for c in list(self._conns.values()):
         c.kick()
-    for cond in [self._wcond, self._write_cond] + [q.cond for q in self._queues.values()]:
+    for cond in [self.weights.cond] + [q.cond for q in self.queues.all.values()]:
       with cond:
         cond.notify_all()
     for t in self._threads:
       t.join(timeout=5.0)
-    if self._writer:
-      self._writer.join(timeout=60.0)
-    for q in self._queues.values():
+    for q in self.queues.all.values():
       with q.cond:
-        q.close()
+        if q.log is not None:
+          os.close(q.log)
+          q.log = None
+
+  def stats(self):
+    with self._conn_lock:
+      clients = len(self._conns)
+    return dict(self.weights.stats(), queues=self.queues.stats(), clients=clients,
+                uptime_s=time.monotonic() - self._started)
 
   def _accept_loop(self):
     """Accepts connections and parks them in a selector until their first byte arrives; only then does a
@@ -1036,8 +1378,7 @@ class Server:
           if got is None:
             return
           c.set("busy")
-          mtype, header, plen = got
-          self._dispatch(c, mtype, header, plen, self._deadline(plen))
+          self._dispatch(c, *got)
         except _Refused as e:
           self._reply_error(conn, e.code, str(e))
         except _Idle:
@@ -1059,516 +1400,47 @@ class Server:
           del self._conns[conn]
       conn.close()
 
-  # -- request handling
+  def _deadline(self, nbytes):
+    """When an nbytes payload must have arrived or left."""
+    return time.monotonic() + self.cfg.header_timeout_s + nbytes / (self.cfg.min_rate_mb_s * 1e6)
 
-  def _drain(self, conn, plen, deadline):
-    scratch = memoryview(bytearray(min(plen, CHUNK)))
-    for off in range(0, plen, CHUNK):
-      _recv_into(conn, scratch[:min(CHUNK, plen - off)], deadline, "discarded payload")
-
-  def _dispatch(self, c, mtype, header, plen, deadline):
-    """The checks every message type gets before any payload byte is read (see the module docstring), in this
-    order: known type, payload within its cap, token; then the handler."""
-    conn = c.sock
-    if mtype not in REQUEST_TYPES:
+  def _dispatch(self, c, mtype, header, plen):
+    """The checks every message type gets before any payload byte is read, in this order: known type, payload
+    within its cap, token; then its handler, and the reply."""
+    if mtype not in self._handlers:
       raise ProtocolError(f"unknown message type {mtype}")
-    name = REQUEST_TYPES[mtype]
-    # A manifest grows with tensors x trainer shards (MBs for a 32B model on a pod), so COMMIT's payload is capped
-    # like a weight push, not like a header.
-    cap = {PUSH: self._max_payload, PUT: self._max_put, STAGE: self._max_payload,
-           COMMIT: self._max_payload}.get(mtype, 0)
+    name, (handler, cap) = REQUEST_TYPES[mtype], self._handlers[mtype]
     if plen > cap:
       raise ProtocolError(f"{name}: payload length {plen} exceeds the limit of {cap} bytes")
     tok = header.get("token")
-    if tok is not None and self.cfg.token is not None and isinstance(tok, str) and hmac.compare_digest(
-        tok.encode(), self.cfg.token.encode()):
+    if isinstance(tok, str) and self.cfg.token is not None and hmac.compare_digest(tok.encode(),
+                                                                                    self.cfg.token.encode()):
       c.trusted = True
     # STAGED with "keep" collects staged versions: a write, so it needs the token like STAGE and COMMIT.
     writes = mtype in NEEDS_TOKEN or (mtype == STAGED and header.get("keep") is not None)
     if (writes or plen) and not c.trusted:
       why = "the server has no token configured" if self.cfg.token is None else "missing or wrong token"
-      if plen:
+      if plen:  # draining would let anyone hold a slot for as long as the payload it announces takes
         raise _AuthClose(f"{name} refused: {why} (payload not read; connection closed)")
       raise _Refused("auth", f"{name} refused: {why}")
+    payload = _Payload(c.sock, plen, self._deadline(plen))
     try:
-      handler = {PUSH: self._push, PULL: self._pull, PUT: self._put, GET: self._get, ACK: self._ack,
-                 REQUEUE: self._requeue, STAGE: self._stage, STAGED: self._staged_table, COMMIT: self._commit,
-                 MANIFEST: self._manifest, FETCH: self._fetch, DELTA: self._delta, FAIL: self._fail,
-                 AUTH: lambda conn, *_: self._ok(conn, {"authenticated": True}),
-                 LATEST: lambda conn, *_: self._ok(conn, {"version": self.latest()}),
-                 STATS: lambda conn, *_: self._ok(conn, self.stats())}[mtype]
-      handler(conn, header, plen, deadline)
+      reply = handler(header, payload)
     except (_Refused, ValueError, KeyError, TypeError) as e:
       if isinstance(e, ProtocolError):
         raise
-      if not getattr(e, "payload_read", False):
-        self._drain(conn, plen, deadline)  # keep the stream in sync: the request stays refused, not stored
+      if not payload.read:  # keep the stream in sync: the request stays refused, not stored
+        scratch = memoryview(bytearray(min(plen, CHUNK)))
+        for off in range(0, plen, CHUNK):
+          _recv_into(c.sock, scratch[:min(CHUNK, plen - off)], payload.deadline, "discarded payload")
       raise e if isinstance(e, _Refused) else _Refused("bad_request", f"{name}: {e}") from None
-
-  def _deadline(self, nbytes):
-    """When an nbytes payload must have arrived or left."""
-    return time.monotonic() + self.cfg.header_timeout_s + nbytes / (self.cfg.min_rate_mb_s * 1e6)
-
-  def _ok(self, conn, header, parts=()):
-    _send_frame(conn, OK, header, parts, deadline=self._deadline(sum(memoryview(p).nbytes for p in parts)))
-
-  def latest(self):
-    """Newest visible version: a pushed one or (sharded mode) a committed manifest."""
-    with self._wcond:
-      return max(self._versions[-1].version if self._versions else -1,
-                 self._manifests[-1][0] if self._manifests else -1)
-
-  def _push(self, conn, h, plen, deadline):
-    version, specs, digest = h.get("version"), h.get("tensors"), h.get("digest")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-      raise ValueError(f"version must be a non-negative int, got {version!r}")
-    if isinstance(specs, list) and len(specs) > self.cfg.max_tensors:
-      raise ValueError(f"{len(specs)} tensors exceed the limit of {self.cfg.max_tensors}")
-    sizes = _check_specs(specs, plen, f"push v{version}")
-    names = [s.get("name") for s in specs]
-    if not all(isinstance(n, str) and 0 < len(n) <= 1024 for n in names) or len(set(names)) != len(names):
-      raise ValueError("tensor names must be unique non-empty strings of <= 1024 chars")
-    if not all(isinstance(s.get("crc"), int) for s in specs) or digest != _digest(version, specs):
-      raise ValueError(f"digest {digest!r} does not match the tensor table of v{version}")
-    with self._push_lock:
-      with self._wcond:
-        kept = {v.version: v for v in self._versions}
-        latest = self._versions[-1].version if self._versions else -1
-      if version in kept and kept[version].digest == digest:
-        self._drain(conn, plen, deadline)  # a retried push whose first attempt landed
-        return self._ok(conn, {"version": version, "duplicate": True})
-      if version <= latest:
-        raise _Refused("stale_version", f"push v{version} refused: versions must increase (latest is v{latest})")
-      buf = _alloc(plen)
-      crcs = _recv_with_crcs(conn, buf, sizes, deadline, f"push v{version} payload")
-      _check_crcs(specs, crcs, f"push v{version}")
-      v = _Version(version, specs, digest, buf)
-      with self._wcond:
-        self._versions = (self._versions + [v])[-self.cfg.max_versions:]
-        self._wcond.notify_all()
-    if self.cfg.run_dir:  # without a writer thread a pending reference would pin an extra version in memory
-      with self._write_cond:
-        self._pending_write = v
-        self._write_cond.notify_all()
-    self._ok(conn, {"version": version})
-
-  def _newer_than(self, h):
-    """A PULL / MANIFEST request's "newer_than" (an int) and the end of its wait (wait_s, capped)."""
-    newer_than = h.get("newer_than", -1)
-    if not isinstance(newer_than, int):
-      raise ValueError(f"newer_than must be an int, got {newer_than!r}")
-    return newer_than, time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
-
-  def _wait(self, cond, done, end, tick=None):
-    """Waits on `cond` (the caller holds it) until done(), the deadline `end` (time.monotonic()) or a server stop;
-    returns whether done(). tick: the longest single wait (for conditions that change without a notify)."""
-    while not done():
-      left = end - time.monotonic()
-      if left <= 0 or self._stopped.is_set():
-        return False
-      cond.wait(left if tick is None else min(left, tick))
-    return True
-
-  def _pull(self, conn, h, plen, deadline):
-    (newer_than, end), want = self._newer_than(h), h.get("version")
-    with self._wcond:
-      if want is not None:
-        v = next((x for x in self._versions if x.version == want), None)
-      elif self._wait(self._wcond, lambda: self._versions and self._versions[-1].version > newer_than, end):
-        v = self._versions[-1]
-      else:
-        v = None
-      latest = self._versions[-1].version if self._versions else -1
-    if v is None:
-      return self._ok(conn, {"version": None, "latest": latest})
-    # Send from the immutable buffer outside the lock: concurrent pullers share it, a push cannot touch it.
-    _send_parts(conn, v.head, [v.buf], self._deadline(len(v.buf)))
-
-  # -- sharded mode: STAGE pieces, list them (STAGED), COMMIT a manifest, read it (MANIFEST), FETCH slices
-
-  def _stage(self, conn, h, plen, deadline):
-    """One piece (a trainer shard of one tensor, tagged with its global slice) of a not-yet-visible version."""
-    version, nonce, name, index = h.get("version"), h.get("nonce"), h.get("name"), h.get("index")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0 or not isinstance(nonce, int):
-      raise ValueError(f"stage: version must be a non-negative int and nonce an int, got {version!r}, {nonce!r}")
-    if not isinstance(name, str) or not 0 < len(name) <= 1024:
-      raise ValueError(f"stage v{version}: bad tensor name {name!r}")
-    spec = dict(name=name, dtype=h.get("dtype"), shape=h.get("shape"), nbytes=h.get("nbytes"), crc=h.get("crc"))
-    _check_specs([spec], plen, f"stage v{version}")
-    if not (isinstance(index, list) and len(index) == len(spec["shape"]) and all(
-        isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and r[1] - r[0] == d
-        for r, d in zip(index, spec["shape"]))):
-      raise ValueError(f"stage v{version} {name!r}: index {index!r} does not match shape {spec['shape']}")
-    buf = _alloc(plen)
-    crcs = _recv_with_crcs(conn, buf, [plen], deadline, f"stage v{version} {name!r}")
-    _check_crcs([spec], crcs, f"stage v{version}")
-    with self._wcond:
-      st = self._staged.get(version)
-      if st is None or st["nonce"] != nonce:  # a new publish of this version (e.g. by a restarted trainer)
-        # Bounded: at most max_versions committed + 2 in progress; the oldest uncommitted ones go first.
-        while len(self._staged) >= self.cfg.max_versions + 2:
-          del self._staged[min(self._staged, key=lambda v: (v in self._keep, v))]
-        st = self._staged[version] = {"nonce": nonce, "pieces": {}, "nbytes": 0, "deltas": {}, "delta_bytes": 0}
-      prev = st["pieces"].get((name, json.dumps(index)))
-      st["nbytes"] += plen - (len(prev[2]) if prev else 0)
-      st["pieces"][(name, json.dumps(index))] = (spec, index, buf)
-    self._ok(conn, {"version": version})
-
-  def _staged_table(self, conn, h, plen, deadline):
-    """The pieces staged for (version, nonce), and GC: with "keep", drops staged versions older than the
-    newest kept one that are not kept (the coordinator sends this after each commit)."""
-    version, nonce, keep = h.get("version"), h.get("nonce"), h.get("keep")
-    with self._wcond:
-      if keep is not None:
-        if not (isinstance(keep, list) and all(isinstance(v, int) for v in keep)):
-          raise ValueError(f"staged: keep must be a list of ints, got {keep!r}")
-        self._keep = set(keep)
-        for v in [v for v in self._staged if keep and v < max(keep) and v not in self._keep]:
-          del self._staged[v]
-      st = self._staged.get(version)
-      pieces = [] if st is None or st["nonce"] != nonce else [
-          dict(name=spec["name"], index=index, dtype=spec["dtype"], crc=spec["crc"])
-          for spec, index, _ in st["pieces"].values()]
-      versions = sorted(set(self._staged) | self._keep)  # what this server can serve (empty after a restart)
-    self._ok(conn, {"pieces": pieces, "versions": versions})
-
-  def _commit(self, conn, h, plen, deadline):
-    """Makes a version visible: its manifest (JSON payload) is stored last, after every piece was staged."""
-    buf = bytearray(plen)
-    _recv_into(conn, memoryview(buf), deadline, "commit manifest")
+    parts = reply[1]
     try:
-      m = json.loads(buf)
-      version = m["version"]
-      assert isinstance(version, int) and isinstance(m["tensors"], dict)
-    except (ValueError, KeyError, TypeError, AssertionError):
-      raise _Refused("bad_request", "commit: payload must be a JSON manifest with int 'version' and 'tensors'",
-                     payload_read=True) from None
-    with self._wcond:
-      if self._manifests and version <= self._manifests[-1][0]:
-        raise _Refused("stale_version", f"commit v{version} refused: latest manifest is v{self._manifests[-1][0]}",
-                       payload_read=True)
-      self._manifests = (self._manifests + [(version, bytes(buf))])[-self.cfg.max_versions:]
-      kept = [v for v, _ in self._manifests]
-      self._wcond.notify_all()
-    self._ok(conn, {"version": version, "kept": kept})
-
-  def _manifest(self, conn, h, plen, deadline):
-    newer_than, end = self._newer_than(h)
-    with self._wcond:
-      if not self._wait(self._wcond, lambda: self._manifests and self._manifests[-1][0] > newer_than, end):
-        return self._ok(conn, {"version": None})
-      version, buf = self._manifests[-1]
-    self._ok(conn, {"version": version}, [buf])
-
-  def _fetch(self, conn, h, plen, deadline):
-    """Sub-slices of staged pieces, each with its crc: a reader gets exactly the bytes its devices need."""
-    version, want = h.get("version"), h.get("pieces")
-    if not isinstance(want, list) or len(want) > self.cfg.max_tensors:
-      raise ValueError("fetch: pieces must be a list")
-    with self._wcond:
-      st = self._staged.get(version)
-      found = [(w, _staged_piece(st, w, f"fetch v{version}")[0]) for w in want]
-    specs, parts = [], []
-    for w, piece in found:
-      part, crc, shape = _cut(version, piece, w.get("sub"))
-      specs.append(dict(name=piece[0]["name"], dtype=piece[0]["dtype"], shape=shape, nbytes=len(part), crc=crc))
-      parts.append(part)
-    self._ok(conn, {"version": version, "tensors": specs, "digest": _digest(version, specs)}, parts)
-
-  def _delta(self, conn, h, plen, deadline):
-    """FETCH for a reader holding `base`: per piece what changed (see DELTA above), or the full bytes."""
-    version, base, want = h.get("version"), h.get("base"), h.get("pieces")
-    if not isinstance(want, list) or len(want) > self.cfg.max_tensors:
-      raise ValueError("delta: pieces must be a list")
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (version, base)) or base >= version:
-      raise ValueError(f"delta: base must be an int older than version, got base={base!r} version={version!r}")
-    with self._wcond:
-      st = self._staged.get(version)
-      # Deltas only against the immediately previous version held here: one base per version bounds the cache.
-      older = [v for v in self._staged if v < version]
-      bst = self._staged.get(base) if older and max(older) == base else None
-      found = []
-      for w in want:
-        got, key = _staged_piece(st, w, f"delta v{version}")
-        old = bst and bst["pieces"].get(key)
-        if not old or old[0]["crc"] != w.get("base_crc") or old[0]["dtype"] != got[0]["dtype"]:
-          found.append((w, got, None, None, None))  # the reader's base is not one we hold: full bytes
-          continue
-        # Keyed by the base's crc too: a cached delta is valid for exactly the base bytes it was built from.
-        ck = key + (json.dumps(w.get("sub")), base, old[0]["crc"])
-        found.append((w, got, old, st["deltas"].setdefault(ck, _Once()), ck))
-    pieces, parts = [], []
-    for w, got, old, once, ck in found:
-      part, crc, _ = _cut(version, got, w.get("sub"))
-      if old is None:
-        enc, payload, changed = "full", part, -1
-      else:
-        def build(got=got, old=old, w=w, part=part, ck=ck):
-          enc, payload, changed = delta_encode(part, _cut(base, old, w.get("sub"))[0], DTYPES[got[0]["dtype"]])
-          payload = None if enc == "full" else payload  # "full" is served from the piece itself: no cache memory
-          with self._wcond:
-            self._delta_builds += 1
-            # Bounded: a version's cached deltas never exceed its own staged bytes; past that they are rebuilt.
-            if payload is not None and st["delta_bytes"] + len(payload) > st["nbytes"]:
-              st["deltas"].pop(ck, None)
-            elif payload is not None:
-              st["delta_bytes"] += len(payload)
-          return enc, payload, changed
-        enc, payload, changed = once.get(build)
-        payload = part if enc == "full" else payload
-      pieces.append(dict(enc=enc, nbytes=len(payload), crc=crc, changed=changed))
-      parts.append(payload)
-    self._ok(conn, {"version": version, "base": base, "pieces": pieces}, parts)
-
-  def _queue(self, name, create=True):
-    if not isinstance(name, str) or not _QUEUE_NAME.match(name):
-      raise ValueError(f"bad queue name {name!r} (want 1-64 chars of [A-Za-z0-9_.-])")
-    with self._qlock:
-      if name not in self._queues:
-        if not create:
-          raise ValueError(f"unknown queue {name!r}")
-        if len(self._queues) >= self.cfg.max_queues:
-          raise ValueError(f"too many queues (limit {self.cfg.max_queues})")
-        self._queues[name] = _Queue(name, self.cfg)
-      return self._queues[name]
-
-  def _put(self, conn, h, plen, deadline):
-    q = self._queue(h.get("queue"))
-    metas = h.get("items")
-    if not isinstance(metas, list):
-      raise ValueError("items must be a list")
-    items, total, cap_bytes = [], 0, q.cfg.max_queue_mb * (1 << 20)
-    for m in metas:
-      if not isinstance(m, dict) or not isinstance(m.get("id"), str) or not 0 < len(m["id"]) <= 256:
-        raise ValueError(f"every item needs a non-empty str id of <= 256 chars, got {m!r:.100}")
-      arrays = m.get("arrays", {})
-      if not isinstance(arrays, dict) or not isinstance(m.get("json", {}), dict):
-        raise ValueError(f"item {m['id']!r}: 'arrays' and 'json' must be objects")
-      specs = [s for v in arrays.values() for s in (v if isinstance(v, list) else [v])]
-      n = sum(_check_specs(specs, sum(s.get("nbytes", 0) for s in specs if isinstance(s, dict)),
-                           f"item {m['id']!r}"))
-      if n > cap_bytes:
-        raise ValueError(f"item {m['id']!r} is {n} bytes, more than the whole queue may hold")
-      items.append((m, total, n))
-      total += n
-    if total != plen:
-      raise ValueError(f"items declare {total} payload bytes but the frame carries {plen}")
-    release = h.get("release", False)
-    if not isinstance(release, bool):
-      raise ValueError(f"release must be a bool, got {release!r:.40}")
-    payload = bytearray(plen)
-    _recv_into(conn, memoryview(payload), deadline, "put payload")
-    if release:
-      return self._release(conn, q, items, payload)
-    dups, rejected, seen = [], [], set()
-    end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
-    with q.cond:
-      new, new_bytes = {}, 0  # applied only once their records are durable
-
-      def room(n):
-        return (len(q.ready) + len(q.leased) + len(new) < q.cfg.max_queue_items
-                and q.nbytes + new_bytes + n <= cap_bytes)
-
-      def room_after_reclaim(n):  # acks and expired leases make room
-        if not room(n):
-          q.reclaim()
-        return room(n)
-
-      for m, off, n in items:
-        i = m["id"]
-        if q.known(i) or i in seen:
-          dups.append(i)
-          continue
-        seen.add(i)
-        if not self._wait(q.cond, lambda: room_after_reclaim(n), end, tick=0.5):  # back-pressure: wait for room
-          rejected.append(i)
-          end = 0.0  # the queue is full: do not wait again for each remaining item
-          continue
-        new[i] = _stored(m, payload, off, n)
-        new_bytes += n
-      self._write(q, [q._record(1, {"id": i, "meta": meta}, blob) for i, (meta, blob) in new.items()], "put")
-      q.ready.update(new)
-      q.nbytes += new_bytes
-      if new:
-        q.cond.notify_all()
-      q.maybe_compact()
-    self._ok(conn, {"accepted": list(new), "duplicates": dups, "rejected": rejected,
-                    "depth": len(q.ready) + len(q.leased)})
-
-  def _release(self, conn, q, items, payload):
-    """PUT with release=True (Client.release); live items include ones ready again after their lease expired.
-    The new contents are logged (UPDATE record) before they replace the old: a restart re-issues the progress."""
-    with q.cond:
-      new = {m["id"]: _stored(m, payload, off, n) for m, off, n in items
-             if m["id"] in q.leased or m["id"] in q.ready}
-      unknown = [m["id"] for m, _, _ in items if m["id"] not in new]
-      self._write(q, [q._record(4, {"id": i, "meta": meta}, blob) for i, (meta, blob) in new.items()], "release")
-      for i, item in reversed(new.items()):
-        q.replace(i, *item)
-      q.cond.notify_all()
-      q.maybe_compact()
-    self._ok(conn, {"accepted": list(new), "duplicates": [], "rejected": [], "unknown": unknown,
-                    "depth": len(q.ready) + len(q.leased)})
-
-  def _write(self, q, records, what):
-    """Durable append or a StorageError reply ("storage"): nothing in memory changed, the request changed
-    nothing, and the reply says so (a put refused for lack of disk is never reported as a duplicate)."""
-    try:
-      q.write(records)
-    except OSError as e:
-      log.error("queue %r: %s not stored: %s", q.name, what, e)
-      raise _Refused("storage", f"{what} on queue {q.name!r} not stored (nothing changed, retry later): "
-                                f"{type(e).__name__}: {e}", payload_read=True) from None
-
-  def _get(self, conn, h, plen, deadline):
-    q = self._queue(h.get("queue"))
-    max_items, lease_s = h.get("max_items"), _seconds(h, "lease_s", 300.0, self.cfg.max_lease_s, clamp=False)
-    if not isinstance(max_items, int) or max_items < 1:
-      raise ValueError(f"max_items must be a positive int, got {max_items!r}")
-    if lease_s <= 0:
-      raise ValueError(f"lease_s must be > 0, got {lease_s}")
-    end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
-    out, nbytes = [], 0
-
-    def any_ready():  # called with q.cond held
-      q.reclaim()
-      return bool(q.ready)
-
-    with q.cond:
-      self._wait(q.cond, any_ready, end, tick=0.5)  # the tick also wakes it to reclaim expired leases
-      expiry = time.monotonic() + lease_s
-      while q.ready and len(out) < max_items:
-        i, (meta, blob) = next(iter(q.ready.items()))
-        if out and nbytes + len(blob) > self._max_put:
-          break
-        del q.ready[i]
-        q.leased[i] = (meta, blob, expiry)
-        out.append((i, meta, blob))
-        nbytes += len(blob)
-    try:
-      self._ok(conn, {"items": [dict(meta, id=i) for i, meta, _ in out]}, [b for _, _, b in out])
+      _send_frame(c.sock, OK, reply[0], parts, deadline=self._deadline(sum(memoryview(p).nbytes for p in parts)))
     except OSError:
-      with q.cond:  # the reply never left: hand the items straight back instead of waiting for lease expiry
-        q.release([i for i, _, _ in out])
+      if len(reply) > 2:
+        reply[2]()
       raise
-
-  def _ack(self, conn, h, plen, deadline):
-    q = self._queue(h.get("queue"))
-    ids = h.get("ids")
-    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-      raise ValueError("ids must be a list of str")
-    with q.cond:
-      unknown = [i for i in ids if not (i in q.ready or i in q.leased or i in q.acked)]
-      missing = set(unknown)  # once: a set per id made a long ack quadratic
-      done = [i for i in ids if i not in missing]
-      self._write(q, [q._record(2, {"ids": done})] if done else [], "ack")
-      q.ack_ids(done)
-      q.cond.notify_all()  # room for blocked puts
-      q.maybe_compact()
-    self._ok(conn, {"acked": len(done), "unknown": unknown})
-
-  def _fail(self, conn, h, plen, deadline):
-    """FAIL (see Client.fail); a quarantine notice is {"id", "queue", "reason", "failures"}."""
-    q = self._queue(h.get("queue"), create=False)
-    ids, reason = h.get("ids"), h.get("reason", "")
-    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-      raise ValueError("ids must be a list of str")
-    if not isinstance(reason, str):
-      raise ValueError(f"reason must be a str, got {type(reason).__name__}")
-    reason = reason[:2000]
-    with q.cond:
-      mine = list(dict.fromkeys(i for i in ids if i in q.leased))
-      quarantine = [i for i in mine if q.failures.get(i, 0) + 1 >= self.cfg.max_failures]
-      if quarantine:
-        # Notices first: a crash between the two writes leaves the item live *and* noticed, which the
-        # trainer tolerates (it counts ids once); the other order could lose the notice.
-        self._put_notices(q, quarantine, reason)
-      self._write(q, [q._record(3, {"ids": mine, "reason": reason, "quarantined": quarantine})], "fail")
-      q.apply_fail(mine, reason, quarantine)
-      q.maybe_compact()
-    for i in quarantine:
-      log.warning("queue %r: item %r quarantined after %d failures: %s", q.name, i, self.cfg.max_failures,
-                  reason[:200])
-    self._ok(conn, {"failed": mine, "quarantined": quarantine})
-
-  def _put_notices(self, q, ids, reason):
-    name = q.name + ".failed"
-    if not _QUEUE_NAME.match(name):
-      return
-    nq = self._queue(name)
-    with nq.cond:
-      new = {i: ({"json": {"queue": q.name, "reason": reason, "failures": q.failures.get(i, 0) + 1},
-                  "arrays": {}, "nbytes": 0}, b"") for i in ids if not nq.known(i)}
-      self._write(nq, [nq._record(1, {"id": i, "meta": m}, b) for i, (m, b) in new.items()], "fail notice")
-      nq.ready.update(new)
-      nq.cond.notify_all()
-
-  def _requeue(self, conn, h, plen, deadline):
-    q = self._queue(h.get("queue"))
-    ids = h.get("ids")  # None: every lease (a restarted consumer); a list: just those (a draining worker)
-    if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)):
-      raise ValueError("ids must be a list of str or absent")
-    with q.cond:
-      n = q.release(list(q.leased) if ids is None else [i for i in ids if i in q.leased])
-    self._ok(conn, {"released": n})
-
-  def stats(self):
-    with self._wcond:
-      versions = [v.version for v in self._versions]
-      wbytes = sum(len(v.buf) for v in self._versions)
-      delta = {"builds": self._delta_builds, "cached_bytes": sum(st["delta_bytes"] for st in self._staged.values())}
-    queues = {}
-    for name, q in list(self._queues.items()):
-      with q.cond:
-        q.reclaim()
-        queues[name] = {"ready": len(q.ready), "leased": len(q.leased), "acked": len(q.acked),
-                        "bytes": q.nbytes, "failing": len(q.failures), "quarantined": len(q.quarantined)}
-    with self._conn_lock:
-      clients = len(self._conns)
-    return {"latest_version": versions[-1] if versions else -1, "versions": versions, "weight_bytes": wbytes,
-            "queues": queues, "clients": clients, "uptime_s": time.monotonic() - self._started, "delta": delta}
-
-  # -- weights persistence
-
-  def _weights_path(self):
-    return os.path.join(self.cfg.run_dir, "weights.bin")
-
-  def _write_loop(self):
-    """Writes the newest version (coalescing bursts of pushes) as a pull-reply frame, atomically."""
-    while True:
-      with self._write_cond:
-        while self._pending_write is None and not self._stopped.is_set():
-          self._write_cond.wait()
-        v, self._pending_write = self._pending_write, None
-      if v is None:
-        return
-      mv = memoryview(v.buf)
-      try:
-        common.write_atomic(self._weights_path(), itertools.chain(
-            [v.head], (mv[i:i + CHUNK] for i in range(0, len(mv), CHUNK))), fsync=True)
-      except OSError:  # e.g. disk full: the previous weights.bin stays; the trainer re-publishes after a restart
-        log.exception("could not persist weights v%d", v.version)
-
-  def _load_weights(self):
-    path = self._weights_path()
-    if not os.path.exists(path):
-      return
-    try:
-      with open(path, "rb") as f:
-        magic, ver, mtype, hlen, plen = PREFIX.unpack(f.read(PREFIX.size))
-        if magic != MAGIC or ver != PROTOCOL_VERSION or mtype != OK:
-          raise ValueError("bad prefix")
-        h = json.loads(f.read(hlen))
-        sizes = _check_specs(h["tensors"], plen, path)
-        buf = _alloc(plen)
-        if f.readinto(buf) != plen:
-          raise ValueError("file is truncated")
-      if _crcs(buf, sizes) != [s["crc"] for s in h["tensors"]] or h["digest"] != _digest(h["version"], h["tensors"]):
-        raise ValueError("checksum mismatch")
-      self._versions = [_Version(h["version"], h["tensors"], h["digest"], buf)]
-      log.info("loaded weights v%d (%d bytes) from %s", h["version"], plen, path)
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
-      log.error("ignoring unreadable %s: %s", path, e)
 
 
 def _opens_with_auth(conn):
@@ -1597,8 +1469,8 @@ def _linger_close(conn, max_bytes=1 << 20, max_s=0.2):
 
 
 def serve(cfg: ServerConfig, port_file=None):
-  """Runs a server until SIGTERM / SIGINT (then stops cleanly: pending weights write is flushed).
-  port_file: if set, the bound port is written there atomically once listening (useful with port=0)."""
+  """Runs a server until SIGTERM / SIGINT, then stops it. port_file: if set, the bound port is written there
+  atomically once listening (useful with port=0)."""
   srv = Server(cfg)
   if port_file:
     common.write_atomic(port_file, f"{srv.port}\n")
@@ -1632,7 +1504,11 @@ _ERRORS = {"auth": PermissionError, "bad_request": ValueError, "stale_version": 
 
 
 class Client:
-  """Talks to a Server. Thread-safe (requests are serialized on one connection); reconnects with backoff."""
+  """Talks to a Server. Thread-safe (requests are serialized on one connection; use one Client per thread for
+  parallel transfers). Every call reconnects with exponential backoff and raises ConnectionError after `retries`
+  failed attempts; an ERROR reply raises at once: PermissionError (token), ValueError (bad request, stale version),
+  ProtocolError, ChecksumError, StorageError (the server's disk refused: nothing changed). Queue items are dicts
+  with a str "id" plus JSON-able fields and np.ndarray / list-of-np.ndarray fields."""
 
   def __init__(self, host="127.0.0.1", port=5555, token=None, timeout_s=30.0, retries=8, backoff_s=0.05,
                max_backoff_s=2.0):
@@ -1653,8 +1529,7 @@ class Client:
         self._sock = None
 
   def _request(self, mtype, header, parts=(), wait_s=0.0, tensors=False):
-    """One request/reply -> (reply header, payload buffer). Transport failures are retried with exponential
-    backoff on a new connection; an ERROR reply from the server raises at once (mapped by its code)."""
+    """One request/reply -> (reply header, payload buffer)."""
     if mtype in NEEDS_TOKEN:
       if not self.token:
         raise PermissionError(f"{REQUEST_TYPES[mtype]} needs the shared token (Client(token=...))")
@@ -1690,15 +1565,11 @@ class Client:
 
   def _exchange(self, mtype, header, parts, wait_s, tensors):
     nbytes = sum(memoryview(p).nbytes for p in parts)
-    slack = self.timeout_s + nbytes / 50e6
     try:
-      _send_frame(self._sock, mtype, header, parts, deadline=time.monotonic() + slack)
+      _send_frame(self._sock, mtype, header, parts, deadline=time.monotonic() + self.timeout_s + nbytes / 50e6)
     except OSError:
       pass  # the server may have refused early and closed; its error reply may still be readable
-    return self._read_reply(time.monotonic() + self.timeout_s + wait_s, tensors)
-
-  def _read_reply(self, deadline, tensors):
-    got = _read_prefix_header(self._sock, deadline, self.timeout_s, 1 << 30)
+    got = _read_prefix_header(self._sock, time.monotonic() + self.timeout_s + wait_s, self.timeout_s, 1 << 30)
     if got is None:
       raise ConnectionError("server closed the connection")
     mtype, h, plen = got
@@ -1708,9 +1579,9 @@ class Client:
       raise ProtocolError(f"unexpected reply type {mtype}")
     deadline = time.monotonic() + self.timeout_s + plen / 50e6
     buf = _alloc(plen)
-    if tensors and h.get("version") is not None:
+    if tensors:  # a FETCH reply: every tensor's crc and the table's digest are checked
       specs = h["tensors"]
-      crcs = _recv_with_crcs(self._sock, buf, _check_specs(specs, plen, "pull reply"), deadline, "weights")
+      crcs = _recv_with_crcs(self._sock, buf, _check_specs(specs, plen, "fetch reply"), deadline, "tensors")
       for s, c in zip(specs, crcs):
         if s["crc"] != c:
           raise ChecksumError(f"v{h['version']}: tensor {s['name']!r} crc {c} != {s['crc']}")
@@ -1720,34 +1591,11 @@ class Client:
       _recv_into(self._sock, memoryview(buf), deadline, "reply payload")
     return h, buf, False
 
-  # -- weights
-
-  def push(self, version: int, tensors: dict):
-    """Publishes `tensors` (flat name -> array) as `version` (must exceed the latest). Needs the token."""
-    if not isinstance(version, int) or version < 0:
-      raise ValueError(f"version must be a non-negative int, got {version!r}")
-    specs, parts = [], []
-    for name, value in tensors.items():
-      if not isinstance(name, str) or not name:
-        raise ValueError(f"tensor names must be non-empty str, got {name!r}")
-      spec, raw = _as_wire_array(value, f"push tensor {name!r}")
-      specs.append(dict(name=name, **spec, crc=zlib.crc32(raw)))
-      parts.append(raw)
-    self._request(PUSH, {"version": version, "tensors": specs, "digest": _digest(version, specs)}, parts)
-
-  def pull(self, newer_than: int = -1, wait_s: float = 0.0, version=None):
-    """Newest version > newer_than as (version, {name: array}), or None (at once, or after wait_s seconds);
-    with version=v exactly that version if the server still keeps it, else None. Checksums verified."""
-    h, buf = self._request(PULL, {"newer_than": int(newer_than), "wait_s": float(wait_s), "version": version},
-                           wait_s=wait_s, tensors=True)
-    if h.get("version") is None:
-      return None
-    return h["version"], dict(zip([s["name"] for s in h["tensors"]], _views(buf, h["tensors"])))
+  # -- weights (one Client per shard server; the manifest lives on the first)
 
   def latest_version(self) -> int:
+    """The newest committed version, -1 if none."""
     return self._request(LATEST, {})[0]["version"]
-
-  # -- sharded weights (one Client per shard server; the manifest lives on the first)
 
   def stage(self, version: int, nonce: int, name: str, index, array):
     """STAGE: one piece of tensor `name`, its global slice `index` ([[start, stop], ...]). Needs the token."""
@@ -1870,6 +1718,18 @@ class Client:
     return self._request(REQUEUE, h)[0]["released"]
 
 
+def _json_default(x):
+  if isinstance(x, np.generic):
+    return x.item()
+  raise TypeError(f"{type(x).__name__} is not JSON serializable")
+
+
+def connect(addr, token=None, retries=8):
+  """A Client for "host:port"."""
+  host, port = addr.rsplit(":", 1)
+  return Client(host, int(port), token=token, retries=retries)
+
+
 class StopFlag:
   """SIGTERM / SIGINT set `requested`, which a trainer or worker loop polls between steps (a TPU preemption
   notice arrives as SIGTERM): the loop finishes its step, checkpoints or drains, and exits cleanly."""
@@ -1914,18 +1774,6 @@ def slice_index(idx, shape):
   return [[s.start or 0, d if s.stop is None else s.stop] for s, d in zip(idx, shape)]
 
 
-def connect(addr, token=None, retries=8):
-  """A Client for "host:port"."""
-  host, port = addr.rsplit(":", 1)
-  return Client(host, int(port), token=token, retries=retries)
-
-
-def _json_default(x):
-  if isinstance(x, np.generic):
-    return x.item()
-  raise TypeError(f"{type(x).__name__} is not JSON serializable")
-
-
 # ----------------------------------------------------------------------------------------------- main
 
 
@@ -1936,17 +1784,18 @@ def _main():
   flags.DEFINE_integer("port", 5555, "TCP port (default 5555; 0 picks a free one, see --port_file).")
   flags.DEFINE_string("port_file", None, "If set, the bound port is written here (default: none).")
   flags.DEFINE_string("token_file", None, "File with the shared secret; created with a random token if "
-                      "missing (default: none, so push/put/get/ack/requeue are refused).")
-  flags.DEFINE_string("run_dir", None, "Directory for persistence of newest weights and queues "
-                      "(default: none, in memory only).")
+                      "missing (default: none, so stage/commit/put/get/ack/requeue are refused).")
+  flags.DEFINE_string("run_dir", None, "Directory for the queue logs (default: none, in memory only).")
   d = ServerConfig()
-  flags.DEFINE_integer("max_versions", d.max_versions, f"Weight versions kept (count, default {d.max_versions}).")
+  flags.DEFINE_integer("max_versions", d.max_versions, f"Committed weight versions kept (count, default "
+                       f"{d.max_versions}).")
   flags.DEFINE_integer("max_queue_items", d.max_queue_items,
                        f"Per-queue cap on ready+leased items (count, default {d.max_queue_items}).")
   flags.DEFINE_float("max_queue_mb", d.max_queue_mb, f"Per-queue cap on item bytes (MiB, default {d.max_queue_mb}).")
   flags.DEFINE_integer("max_acked_ids", d.max_acked_ids, f"Acked ids remembered per queue (count, default "
                        f"{d.max_acked_ids}).")
-  flags.DEFINE_float("max_payload_mb", d.max_payload_mb, f"Cap on one push (MiB, default {d.max_payload_mb}).")
+  flags.DEFINE_float("max_payload_mb", d.max_payload_mb, f"Cap on one staged piece or manifest (MiB, default "
+                     f"{d.max_payload_mb}).")
   flags.DEFINE_float("max_put_mb", d.max_put_mb, f"Cap on one put / get reply (MiB, default {d.max_put_mb}).")
   flags.DEFINE_float("max_header_kb", d.max_header_kb, f"Cap on a frame header (KiB, default {d.max_header_kb}).")
   flags.DEFINE_integer("max_clients", d.max_clients, f"Concurrent connections (count, default {d.max_clients}).")

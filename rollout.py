@@ -34,7 +34,6 @@ Run:
       --eval_n=200 --k=8 --out=runs/x/eval_before.json
   On a pod launch.sh starts one worker per inference host (see launch.sh v5p-N --dry_run).
 """
-import concurrent.futures
 import dataclasses
 import json
 import math
@@ -398,74 +397,28 @@ class Sender:
 
 def pull_weights(manifest, shardings, clients, base=None, stats=None):
   """The manifest's weights placed with `shardings` (a pytree of Shardings, same structure as the published
-  tree). clients: dict "host:port" -> Client, filled on demand. Returns (pytree of jax.Array, bytes pulled).
-
-  Delta sync: base=(manifest, params) the reader holds now (what an earlier pull returned with the same
-  shardings). Each piece then comes as a delta against it (param_server DELTA: the server builds it once for the
-  whole fleet), applied in place on a host copy of the held slice; the RESULT's crc must equal the new version's,
-  so a wrong or corrupted base or a lost delta never goes unnoticed: such a piece, like one the server has no
-  base for (the reader skipped a version, or the server restarted), is pulled in full. The returned bytes are
-  what crossed the wire. stats (a dict) gets bytes, full_bytes (what a full pull moves), changed_bytes over
-  covered_bytes (the pieces that came as deltas), pieces by encoding, and fallbacks (crc mismatches refetched).
+  tree): only the distinct slices this process's devices hold, reassembled on the host by
+  param_server.pull_slices. clients: dict "host:port" -> Client, filled on demand. Returns (pytree of jax.Array,
+  bytes pulled). base=(manifest, params) the reader holds now (what an earlier pull returned with the same
+  shardings): each slice it holds comes as a delta against a host copy of it (see pull_slices, which also says
+  what `stats` gets).
   """
   sh = param_server.flatten(shardings)
   if set(sh) != set(manifest["tensors"]):
     raise ValueError(f"manifest v{manifest['version']} tensors {sorted(manifest['tensors'])[:4]}... do not match "
                      f"the reader's {sorted(sh)[:4]}...")
-  if base is not None and base[0]["version"] >= manifest["version"]:
-    raise ValueError(f"pull: base v{base[0]['version']} is not older than manifest v{manifest['version']}")
   held = param_server.flatten(base[1]) if base is not None else {}
-  conns = [clients[a] if a in clients else clients.setdefault(a, param_server.connect(a)) for a in manifest["servers"]]
-  st = dict(bytes=0, full_bytes=0, changed_bytes=0, covered_bytes=0, pieces={}, fallbacks=0)
-  out = {}
-  with concurrent.futures.ThreadPoolExecutor(len(conns)) as pool:
-    for name, t in manifest["tensors"].items():
-      shape, dt = tuple(t["shape"]), param_server._np_dtype(t["dtype"])
-      wanted = {}  # distinct global slice -> the local devices that hold it
-      for d, idx in sh[name].addressable_devices_indices_map(shape).items():
-        wanted.setdefault(tuple(map(tuple, param_server.slice_index(idx, shape))), []).append(d)
-      old = _held_slices(base, name, t, held, wanted)  # slice -> the base's host copy, where a delta can apply
-      bufs = {w: old[w] if w in old else np.empty([b - a for a, b in w], dt) for w in wanted}
-      base_crc = {json.dumps(p["index"]): p["crc"] for p in base[0]["tensors"][name]["pieces"]} if old else {}
-      jobs = {}  # server -> [(fetch request, (slice, destination within its buffer))]
-      for w in wanted:
-        covered = 0
-        for p in t["pieces"]:
-          lo = [max(a, pa) for (a, _), (pa, _) in zip(w, p["index"])]
-          hi = [min(b, pb) for (_, b), (_, pb) in zip(w, p["index"])]
-          if any(l >= h for l, h in zip(lo, hi)):
-            continue
-          sub = [[l - pa, h - pa] for l, h, (pa, _) in zip(lo, hi, p["index"])]
-          dest = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, w))
-          req = dict(name=name, index=p["index"], crc=p["crc"], sub=sub)
-          if w in old and json.dumps(p["index"]) in base_crc:
-            req["base_crc"] = base_crc[json.dumps(p["index"])]
-          jobs.setdefault(p["server"], []).append((req, (w, dest)))
-          covered += int(np.prod([h - l for l, h in zip(lo, hi)]))
-        if covered != bufs[w].size:
-          raise ValueError(f"manifest v{manifest['version']}: pieces of {name!r} cover {covered} of the "
-                           f"{bufs[w].size} elements of slice {w}")
-      again = {}  # server -> jobs whose delta did not rebuild the new bytes: pulled in full below
-      for k, full, got in pool.map(lambda k: (k, *_get(conns[k], manifest["version"], base, jobs[k])), list(jobs)):
-        for (_, (w, dest)), a in full:
-          bufs[w][dest] = a
-          st["bytes"] += a.nbytes
-        for (req, (w, dest)), r in got:
-          st["bytes"] += len(r["data"])
-          st["pieces"][r["enc"]] = st["pieces"].get(r["enc"], 0) + 1
-          if r["changed"] >= 0:
-            st["changed_bytes"] += r["changed"] * dt.itemsize
-            st["covered_bytes"] += bufs[w][dest].nbytes
-          if not _apply(r, bufs[w], dest):
-            st["fallbacks"] += 1
-            again.setdefault(k, []).append(({kk: v for kk, v in req.items() if kk != "base_crc"}, (w, dest)))
-      for k, full, _ in pool.map(lambda k: (k, *_get(conns[k], manifest["version"], None, again[k])), list(again)):
-        for (_, (w, dest)), a in full:
-          bufs[w][dest] = a
-          st["bytes"] += a.nbytes
-      out[name] = jax.make_array_from_single_device_arrays(
-          shape, sh[name], [jax.device_put(bufs[w], d) for w, ds in wanted.items() for d in ds])
-      st["full_bytes"] += sum(b.nbytes for b in bufs.values())
+  wanted = {}  # name -> {distinct global slice: the local devices that hold it}
+  for name, t in manifest["tensors"].items():
+    for d, idx in sh[name].addressable_devices_indices_map(tuple(t["shape"])).items():
+      wanted.setdefault(name, {}).setdefault(tuple(map(tuple, param_server.slice_index(idx, t["shape"]))), []).append(d)
+  st, out = {}, {}
+  for name, bufs in param_server.pull_slices(
+      manifest, wanted, clients, base=base and base[0], stats=st,
+      held=lambda name, slices: _held_slices(base, name, manifest["tensors"][name], held, slices)):
+    out[name] = jax.make_array_from_single_device_arrays(
+        tuple(manifest["tensors"][name]["shape"]), sh[name],
+        [jax.device_put(bufs[w], d) for w, ds in wanted[name].items() for d in ds])
   if stats is not None:
     stats.update(st)
   return param_server.unflatten(out), st["bytes"]
@@ -474,7 +427,7 @@ def pull_weights(manifest, shardings, clients, base=None, stats=None):
 def _held_slices(base, name, t, held, wanted):
   """{slice: writable host copy of the base's bytes for it} for the wanted slices a delta can apply to: the base
   holds the tensor with the same dtype and shape, and one of its local shards is exactly that slice."""
-  if base is None or name not in held or name not in base[0]["tensors"]:
+  if name not in held or name not in base[0]["tensors"]:
     return {}
   bt, x = base[0]["tensors"][name], held[name]
   if (bt["dtype"], bt["shape"]) != (t["dtype"], t["shape"]) or tuple(x.shape) != tuple(t["shape"]):
@@ -482,27 +435,6 @@ def _held_slices(base, name, t, held, wanted):
   shards = {tuple(map(tuple, param_server.slice_index(s.index, x.shape))): s for s in x.addressable_shards}
   # A copy: a device array may alias host memory (CPU), and the pull must not change the weights in use.
   return {w: np.array(shards[w].data, copy=True) for w in wanted if w in shards}
-
-
-def _get(conn, version, base, jobs):
-  """One server's part of a pull: ([(job, array)] pulled in full, [(job, delta reply)])."""
-  plain = [j for j in jobs if "base_crc" not in j[0]]
-  delta = [j for j in jobs if "base_crc" in j[0]]
-  return (list(zip(plain, conn.fetch(version, [r for r, _ in plain]))) if plain else [],
-          list(zip(delta, conn.delta(version, base[0]["version"], [r for r, _ in delta]))) if delta else [])
-
-
-def _apply(r, buf, dest):
-  """Rebuilds buf[dest] from a delta reply in place (on a contiguous copy if the region is not contiguous);
-  True if the result's crc is the new version's."""
-  cur = np.ascontiguousarray(buf[dest])
-  try:
-    param_server.delta_apply(r["enc"], r["data"], cur, cur.dtype.itemsize)
-  except ValueError:
-    return False
-  if not np.may_share_memory(cur, buf):
-    buf[dest] = cur
-  return zlib.crc32(cur.reshape(-1).view(np.uint8)) == r["crc"]
 
 
 class Puller:

@@ -12,13 +12,14 @@ Queue faults: a real server process whose queue-log file operations go through a
   back, phantom = items never put, and a put that was in flight when the server died must be reported
   accepted on retry exactly when it is absent (never "duplicate" for an item that is not there).
 Hostile load: a real `python param_server.py` process (defaults, token file, run dir) with a trainer client
-  (push/pull of weights) and a worker client (put/get/ack); each op is timed alone and beside each load; the
-  server's RSS is sampled every 50 ms (peak reported) and its CPU use measured during and after the load.
+  (publish: stage + commit) and a worker client (fetch: manifest + param_server.pull_slices; put/get/ack);
+  each op is timed alone and beside each load; the server's RSS is sampled every 50 ms (peak reported) and its
+  CPU use measured during and after the load.
 
 Run:
-  python bench_faults.py                      # everything, prints both tables (markdown)
-  python bench_faults.py --quick              # the CI-sized version (tests/test_faults.py calls the functions)
-  python bench_faults.py --serve --run_dir=D --port_file=F --faults=SPEC   # one fault-injecting server
+  python -m bench.faults                      # everything, prints both tables (markdown)
+  python -m bench.faults --quick              # the CI-sized version (tests/test_faults.py calls the functions)
+  python -m bench.faults --serve --run_dir=D --port_file=F --faults=SPEC   # one fault-injecting server
 """
 import argparse
 import errno
@@ -36,7 +37,7 @@ from bench import util as benchutil
 import param_server as ps
 
 TOKEN = "bench-faults-token"
-OPS = ("push", "pull", "put", "get", "ack", "join")  # join: a new client connects, authenticates, asks once
+OPS = ("publish", "fetch", "put", "get", "ack", "join")  # join: a new client connects, authenticates, asks once
 CRASH_POINTS = ("append", "appended", "synced", "compact_tmp", "compact_renamed")
 
 
@@ -257,9 +258,20 @@ def hostile_load(n_conns=1000, reps=20, size_mb=4.0, workdir=None, max_clients=N
   token = ps.read_token(token_file)
   trainer = ps.Client(port=port, token=token, timeout_s=10.0)
   worker = ps.Client(port=port, token=token, timeout_s=10.0)
-  w = {"w": np.ones(int(size_mb * (1 << 20)) // 4, np.float32)}
-  version = [0]
-  trainer.push(0, w)
+  elems = int(size_mb * (1 << 20)) // 4
+  w, version, clients = np.ones(elems, np.float32), [0], {f"127.0.0.1:{port}": worker}
+
+  def publish(v):  # train.publish_shards for one trainer process, without jax: one piece, then the manifest
+    trainer.stage(v, v, "w", [[0, elems]], w)
+    (piece,) = trainer.staged(v, v)["pieces"]
+    trainer.staged(keep=trainer.commit(dict(version=v, servers=list(clients), tensors={"w": dict(
+        dtype="float32", shape=[elems], pieces=[dict(index=piece["index"], crc=piece["crc"], server=0)])})))
+
+  def fetch(newer_than):  # what a worker does (rollout.pull_weights without the device copies)
+    m = worker.manifest(newer_than=newer_than)
+    return m["version"], dict(ps.pull_slices(m, {"w": [((0, elems),)]}, clients))
+
+  publish(0)
 
   def join():  # a worker (re)joining: new connection, AUTH, first request
     fresh = ps.Client(port=port, token=token, timeout_s=10.0)
@@ -274,9 +286,9 @@ def hostile_load(n_conns=1000, reps=20, size_mb=4.0, workdir=None, max_clients=N
       return out
 
     version[0] += 1
-    timed("push", trainer.push, version[0], w)
-    got = timed("pull", worker.pull, newer_than=version[0] - 1)
-    assert got and got[0] == version[0]
+    timed("publish", publish, version[0])
+    got = timed("fetch", fetch, version[0] - 1)
+    assert got[0] == version[0] and got[1]["w"][((0, elems),)].sum() == elems
     rid = f"r{version[0]}"
     timed("put", worker.put, "rollouts", [{"id": rid, "tokens": np.arange(1024, dtype=np.int32)}])
     assert [x["id"] for x in timed("get", trainer.get, "rollouts", 1)] == [rid]
@@ -319,15 +331,15 @@ def hostile_load(n_conns=1000, reps=20, size_mb=4.0, workdir=None, max_clients=N
       (f"{n * 3 // 2} idle connections (over --max_clients={max_clients or ps.ServerConfig.max_clients}: "
        "oldest anonymous evicted)", lambda: Load(port, conns=n * 3 // 2)),
       (f"{n} slowloris (1 byte / 0.5 s)", lambda: Load(port, conns=n, opener=b"RL", trickle=True)),
-      (f"{n} PUSH announcing 2^34 B, no token", lambda: Load(port, conns=n, opener=_frame(
-          ps.PUSH, b'{"version":1}', plen=1 << 34))),
+      (f"{n} STAGE announcing 2^34 B, no token", lambda: Load(port, conns=n, opener=_frame(
+          ps.STAGE, b'{"version":1}', plen=1 << 34))),
       ("header announcing 16 MiB, flood", lambda: Load(port, flood=ps.PREFIX.pack(
-          ps.MAGIC, ps.PROTOCOL_VERSION, ps.PUSH, 16 << 20, 0) + b"{")),
-      ("60 KB header of {} objects, flood", lambda: Load(port, flood=_frame(ps.PUSH, big_ok))),
-      ("80 KB header (over the pre-auth cap), flood", lambda: Load(port, flood=_frame(ps.PUSH, big))),
+          ps.MAGIC, ps.PROTOCOL_VERSION, ps.STAGE, 16 << 20, 0) + b"{")),
+      ("60 KB header of {} objects, flood", lambda: Load(port, flood=_frame(ps.STAGE, big_ok))),
+      ("80 KB header (over the pre-auth cap), flood", lambda: Load(port, flood=_frame(ps.STAGE, big))),
       ("60 KB-deep JSON nesting, flood", lambda: Load(port, flood=_frame(ps.STATS, deep))),
-      ("PULL / GET with wait_s NaN, flood", lambda: Load(port, flood=_frame(ps.PULL, b'{"wait_s":NaN}')
-                                                          + _frame(ps.GET, b'{"queue":"q","wait_s":NaN}'))),
+      ("MANIFEST / GET with wait_s NaN, flood", lambda: Load(port, flood=_frame(ps.MANIFEST, b'{"wait_s":NaN}')
+                                                              + _frame(ps.GET, b'{"queue":"q","wait_s":NaN}'))),
       (f"all of the above at once ({n} held)", lambda: _all(port, n, big, deep)),
   ]
   try:
@@ -346,22 +358,22 @@ def bad_inputs(port, token):
   """Sends each hostile or malformed request once on a fresh connection; returns rows {input, reply,
   closed, ms} (reply: the ERROR code, or "ok"; closed: whether the server closed the connection after it)."""
   auth = _frame(ps.AUTH, json.dumps({"token": token}).encode())
-  shape = [{"name": "x", "dtype": "float32", "shape": [1 << 32, 1 << 32], "nbytes": 0, "crc": 0}]
+  shape = {"version": 99, "nonce": 0, "name": "x", "index": [[0, 1 << 32]] * 2, "dtype": "float32",
+           "shape": [1 << 32, 1 << 32], "nbytes": 0, "crc": 0}
   cases = [
-      ("PULL with wait_s NaN", _frame(ps.PULL, b'{"wait_s":NaN}')),
-      ('PULL with wait_s "nan" (a string)', _frame(ps.PULL, b'{"wait_s":"nan"}')),
+      ("MANIFEST with wait_s NaN", _frame(ps.MANIFEST, b'{"wait_s":NaN}')),
+      ('MANIFEST with wait_s "nan" (a string)', _frame(ps.MANIFEST, b'{"wait_s":"nan"}')),
       ("GET with lease_s 1e999 (overflows to inf)", auth + _frame(ps.GET, b'{"queue":"q","max_items":1,'
                                                                           b'"lease_s":1e999}')),
-      ("PUSH without token announcing 2^34 B", _frame(ps.PUSH, b'{"version":1}', plen=1 << 34)),
+      ("STAGE without token announcing 2^34 B", _frame(ps.STAGE, b'{"version":1}', plen=1 << 34)),
       ("PUT with a wrong token and a 1 MiB payload", _frame(ps.PUT, b'{"queue":"q","items":[],"token":"x"}',
                                                             plen=1 << 20)),
       ("GET without token", _frame(ps.GET, b'{"queue":"q","max_items":1}')),
       ("header announcing 16 MiB", ps.PREFIX.pack(ps.MAGIC, ps.PROTOCOL_VERSION, ps.STATS, 16 << 20, 0)),
       ("80 KB header before AUTH", _frame(ps.STATS, json.dumps({"a": "x" * 80000}).encode())),
       ("JSON nested 5000 deep", _frame(ps.STATS, b"[" * 5000 + b"]" * 5000)),
-      ("5000-digit int", _frame(ps.PULL, b'{"newer_than":' + b"9" * 5000 + b"}")),
-      ("shape [2^32, 2^32] with nbytes 0 (authenticated)", auth + _frame(ps.PUSH, json.dumps(
-          {"version": 99, "tensors": shape, "digest": ps._digest(99, shape)}).encode())),
+      ("5000-digit int", _frame(ps.MANIFEST, b'{"newer_than":' + b"9" * 5000 + b"}")),
+      ("shape [2^32, 2^32] with nbytes 0 (authenticated)", auth + _frame(ps.STAGE, json.dumps(shape).encode())),
       ("unknown message type 200", _frame(200, b"{}")),
       ("wrong magic", b"GET / HTTP/1.1\r\n\r\n" + bytes(20)),
       ("prefix, then silence (slowloris)", _frame(ps.STATS, b"{}")[:10]),
@@ -406,10 +418,10 @@ class _Multi(list):
 def _all(port, n, big, deep):
   k = n // 3
   return _Multi([Load(port, conns=k), Load(port, conns=k, opener=b"RL", trickle=True),
-                 Load(port, conns=n - 2 * k, opener=_frame(ps.PUSH, b'{"version":1}', plen=1 << 34)),
-                 Load(port, flood=_frame(ps.PUSH, big), flood_threads=1),
+                 Load(port, conns=n - 2 * k, opener=_frame(ps.STAGE, b'{"version":1}', plen=1 << 34)),
+                 Load(port, flood=_frame(ps.STAGE, big), flood_threads=1),
                  Load(port, flood=_frame(ps.STATS, deep), flood_threads=1),
-                 Load(port, flood=_frame(ps.PULL, b'{"wait_s":NaN}'), flood_threads=1)])
+                 Load(port, flood=_frame(ps.MANIFEST, b'{"wait_s":NaN}'), flood_threads=1)])
 
 
 def describe(r):
@@ -448,7 +460,7 @@ def main():
   ap.add_argument("--quick", action="store_true", help="CI-sized: fewer crash occurrences, 200 connections")
   ap.add_argument("--conns", type=int, default=1000, help="hostile connections held open (default 1000)")
   ap.add_argument("--reps", type=int, default=20, help="legitimate rounds timed per load (default 20)")
-  ap.add_argument("--size_mb", type=float, default=4.0, help="weights pushed/pulled per round (MiB, default 4)")
+  ap.add_argument("--size_mb", type=float, default=4.0, help="weights published/fetched per round (MiB, default 4)")
   args = ap.parse_args()
   if args.serve:
     return serve_main(args)

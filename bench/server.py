@@ -1,14 +1,16 @@
-"""Benchmark: param_server pull throughput next to a raw loopback socket transfer of the same bytes.
+"""Benchmark: the weight path's throughput (FETCH of staged pieces) next to a raw loopback socket transfer of the
+same bytes.
 
-Starts `param_server.py` as its own process (in memory, no run_dir), pushes --size_mb of weights (16 tensors,
-half bf16 half fp32), then, interleaved for --reps rounds, times
+Starts `param_server.py` as its own process (in memory, no run_dir), stages --size_mb of weights (16 tensors,
+half bf16 half fp32, one piece each) and commits their manifest, then, interleaved for --reps rounds, times
   raw    a plain TCP sender process: sendall of the same bytes in 8 MiB memoryview slices -> recv_into
          one freshly allocated buffer (the same allocator the client uses), no framing, no checksum
-  pull   Client.pull(): framing + JSON header + recv_into + crc32 verification of every tensor
+  fetch  Client.fetch() of every piece in one request, sent from the server's staged buffers: framing + JSON
+         header + recv_into + crc32 verification of every tensor
 with 1 and --clients concurrent receivers (each its own process). Prints GB/s (1e9 bytes/s; with N clients the
-aggregate N * size / wall time) as best and median over rounds, and pull / raw.
+aggregate N * size / wall time) as best and median over rounds, and fetch / raw.
 
-  python bench_param_server.py --size_mb=1024 --clients=4 --reps=2
+  python -m bench.server --size_mb=1024 --clients=4 --reps=2
 """
 import multiprocessing as mp
 import os
@@ -53,15 +55,16 @@ def raw_sender(listener, size):
 
 
 def receiver(kind, port, size, barrier, results):
-  if kind == "pull":
+  if kind == "fetch":
     c = ps.Client(port=port, timeout_s=120.0)
-    c.latest_version()  # connect before the clock starts, as the raw receiver does
+    m = c.manifest()  # and connect before the clock starts, as the raw receiver does
+    want = [dict(name=n, index=t["pieces"][0]["index"], crc=t["pieces"][0]["crc"]) for n, t in m["tensors"].items()]
   else:
     sock = socket.create_connection(("127.0.0.1", port))
   barrier.wait()
   t0 = time.perf_counter()
-  if kind == "pull":
-    n = sum(a.nbytes for a in c.pull()[1].values())
+  if kind == "fetch":
+    n = sum(a.nbytes for a in c.fetch(m["version"], want))
   else:
     buf = ps._alloc(size)
     mv, n = memoryview(buf), 0
@@ -94,8 +97,7 @@ def main(argv):
   tmp = tempfile.mkdtemp(prefix="bench_ps_")
   token_file = os.path.join(tmp, "token")
   srv, port = benchutil.start_server(os.path.join(tmp, "port"), "--port=0", f"--token_file={token_file}",
-                                     f"--max_payload_mb={FLAGS.size_mb + 16}", "--min_rate_mb_s=10",
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     "--min_rate_mb_s=10", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   listener = socket.create_server(("127.0.0.1", 0), backlog=64)
   raw = mp.get_context("fork").Process(target=raw_sender, args=(listener, size), daemon=True)
   raw.start()
@@ -103,19 +105,24 @@ def main(argv):
     w = make_weights(size)
     c = ps.Client(port=port, token=ps.read_token(token_file), timeout_s=120.0)
     t0 = time.perf_counter()
-    c.push(0, w)
-    push_s = time.perf_counter() - t0
+    for name, a in w.items():
+      c.stage(0, 0, name, [[0, a.size]], a)
+    stage_s = time.perf_counter() - t0
+    crc = {p["name"]: p["crc"] for p in c.staged(0, 0)["pieces"]}
+    c.commit(dict(version=0, servers=[f"127.0.0.1:{port}"], tensors={n: dict(
+        dtype=a.dtype.name, shape=[a.size], pieces=[dict(index=[[0, a.size]], crc=crc[n], server=0)])
+        for n, a in w.items()}))
     del w
-    print(f"payload {size / 1e9:.3f} GB in 16 tensors (bf16 + fp32); push (crc32 + send + server verify) "
-          f"{size / push_s / 1e9:.2f} GB/s; cores: {os.cpu_count()}")
+    print(f"payload {size / 1e9:.3f} GB in 16 tensors (bf16 + fp32); stage (crc32 + send + server verify) "
+          f"{size / stage_s / 1e9:.2f} GB/s; cores: {os.cpu_count()}")
     raw_port = listener.getsockname()[1]
     for clients in (1, FLAGS.clients):
       r, p = [], []
       for _ in range(FLAGS.reps):  # interleaved so that load from other processes hits both alike
         r.append(measure("raw", raw_port, size, clients))
-        p.append(measure("pull", port, size, clients))
+        p.append(measure("fetch", port, size, clients))
       print(f"{clients} client(s): raw loopback best {max(r):.2f} median {statistics.median(r):.2f} GB/s | "
-            f"pull best {max(p):.2f} median {statistics.median(p):.2f} GB/s | pull/raw best "
+            f"fetch best {max(p):.2f} median {statistics.median(p):.2f} GB/s | fetch/raw best "
             f"{max(p) / max(r):.0%} median {statistics.median(p) / statistics.median(r):.0%}", flush=True)
   finally:
     srv.terminate()

@@ -38,7 +38,7 @@ def test_hostile_load_never_delays_legitimate_clients(tmp_path):
   for r in inputs.values():
     assert r["reply"] in ("protocol", "auth", "bad_request", "timeout"), r  # each refused, none served
     assert r["ms"] < (3000 if r["reply"] == "timeout" else 1000), r  # nothing waits for what it announced
-  for name in ("PUSH without token announcing 2^34 B", "PUT with a wrong token and a 1 MiB payload"):
+  for name in ("STAGE without token announcing 2^34 B", "PUT with a wrong token and a 1 MiB payload"):
     assert inputs[name]["reply"] == "auth" and inputs[name]["closed"], inputs[name]  # payload never read
   for r in rows:
     for op in bench_faults.OPS:
