@@ -85,7 +85,7 @@ def tune_malloc():
   own threads; glibc gives them arenas whose large blocks are mmap'd and returned when freed, so every step
   page-faults its working set in again (measured: 95k minor faults, ~15% of a training step's CPU on 2 cores).
   One arena, no mmap'd blocks and a 2 GB trim threshold make a step reuse the last one's memory (~0 faults once
-  settled; RESULTS.md "host malloc", `python -m bench.train_step --host_malloc=default` is the other side).
+  settled; RESULTS.md "Decode and train step"; `python -m bench.train_step --host_malloc=default` is the A/B).
   Cost: the process keeps its peak resident set. Call before the first JAX computation (glibc fixes the arena
   limit when a thread first allocates). Not in the pytest process: with one arena the Pallas TPU interpreter on 8
   fake devices deadlocks in XLA's CPU runtime (tests/test_kernels.py; 3 of 3 runs). True where it took effect."""

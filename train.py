@@ -446,7 +446,7 @@ def publish(servers, version, policy, meta):
 
 
 def weights_lost(servers, version):
-  """A restarted server may have lost our newest version (it persists weights in the background)."""
+  """A restarted server has lost our newest version (weights are not persisted: the trainer re-publishes)."""
   return lead_says(jax.process_index() == 0 and (servers[0].latest_version() < version or any(
       version not in c.staged()["versions"] for c in servers)))
 
