@@ -74,9 +74,9 @@ def test_same_prompt_id_reproduces_tokens(params):
 
 def test_top_k_top_p_truncate_and_renormalise():
   logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
-  lp = rollout.sampling_logprobs(logits, rollout.SamplingConfig(top_k=2))
+  lp = jax.nn.log_softmax(rollout.sampling_logits(logits, rollout.SamplingConfig(top_k=2)))
   np.testing.assert_allclose(np.exp(lp[0]), [0.625, 0.375, 0, 0], atol=1e-6)
-  lp = rollout.sampling_logprobs(logits, rollout.SamplingConfig(top_p=0.9))  # 0.5+0.3 < 0.9 <= +0.15
+  lp = jax.nn.log_softmax(rollout.sampling_logits(logits, rollout.SamplingConfig(top_p=0.9)))  # 0.5+0.3 < 0.9 <= +0.15
   np.testing.assert_allclose(np.exp(lp[0]), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0], atol=1e-6)
   keys = jax.random.split(jax.random.PRNGKey(0), 2000)
   tok, _ = rollout.sample(jnp.repeat(logits, 2000, 0), keys, rollout.SamplingConfig(top_k=2))
@@ -89,7 +89,7 @@ def test_inverse_cdf_sample_draws_the_distribution_and_never_a_cut_token():
   n, V = 20000, 300
   logits = jax.random.normal(jax.random.PRNGKey(3), (1, V)) * 2
   sc = rollout.SamplingConfig(top_k=50)
-  p = np.exp(np.asarray(rollout.sampling_logprobs(logits, sc)[0], np.float64))
+  p = np.exp(np.asarray(jax.nn.log_softmax(rollout.sampling_logits(logits, sc))[0], np.float64))
   keys = jax.random.split(jax.random.PRNGKey(4), n)
   tok, lp = jax.jit(lambda l, k: rollout.sample(l, k, sc))(jnp.repeat(logits, n, 0), keys)
   tok = np.asarray(tok)
