@@ -6,38 +6,14 @@ B sequences, T tokens, V vocab, D model dim, P prompts, G samples per prompt (B 
 Design choices
 - Log-probs are fp32 (fp64 if the input is fp64) whatever the logits dtype, and of the distribution actually
   sampled from: logits are divided by the sampling temperature before the log-softmax.
-- `token_logprobs_and_entropy` is a custom VJP: the forward saves only the [B,T] logsumexp and E_p[s], never a
-  [B,T,V] fp32 softmax; the backward recomputes p from the logits and writes dlogits straight in the logits dtype.
-  Measured on XLA CPU (`python losses.py`): grad temp = 1.0 x one fp32 [B,T,V] buffer, vs 2.0 x (logp) and 3.0 x
-  (logp + entropy) for naive log_softmax autodiff. `chunked_token_logprobs` never forms the full [B,T,V] logits
-  (scan over T chunks + remat): 0.77 x, vs 2.75 x for hidden @ unembed then the dense path.
+- `token_logprobs_and_entropy` is a custom VJP that saves only [B,T] statistics and recomputes the softmax in the
+  backward: one fp32 [B,T,V] buffer of gradient temporaries, against two (logp) or three (+ entropy) for
+  log_softmax autodiff. `chunked_token_logprobs` never forms the full [B,T,V] logits (`python -m bench.logprobs`).
 - Every per-token quantity is masked with `jnp.where` first, so padding (any value, even inf/nan) has zero effect
   and zero gradient.
-- A policy-loss family (`ppo`, `gspo`, `cispo`, `reinforce`) is a short function from per-token arrays to a
-  per-token loss; `policy_loss` adds the shared pieces once: masking, off-policy correction (decoupled PPO: ratio
-  to the trainer's proximal policy, truncated IS to the worker's), KL, entropy, one `aggregate`, metrics. GSPO
-  uses its token form so it reduces the same way. An algorithm is a `LossConfig` in `ALGORITHMS` naming its family.
-
-Public API
-  token_logprobs(logits [B,T,V], targets [B,T], temperature=1.0) -> [B,T]
-  token_logprobs_and_entropy(logits, targets, temperature=1.0) -> (logp [B,T], entropy [B,T])
-  chunked_token_logprobs(hidden [B,T,D], unembed [D,V] | fn [B,C,D]->[B,C,V], targets, chunk, temperature=1.0)
-      -> (logp [B,T], entropy [B,T])
-  compute_advantages(estimator, rewards [P,G], *, lengths=None, std_normalize=True, group_baseline=True, eps=1e-6)
-      -> [P,G];  estimator in ADVANTAGE_ESTIMATORS
-  config_advantages(cfg, rewards [P,G], lengths=None) -> [P,G]   (compute_advantages with cfg's options)
-  gae(rewards [B,T], values [B,T] | [B,T+1], mask [B,T], gamma=1.0, lam=1.0) -> (advantages [B,T], returns [B,T])
-  value_loss(values, returns, mask, agg="token_mean", *, old_values=None, clip=None, max_tokens=None) -> scalar
-  kl_penalty(logp, ref_logp, estimator) -> [B,T]
-  overlong_shaping(lengths, max_len, buffer) -> penalty (<= 0, same shape as lengths)
-  aggregate(x [B,T], mask [B,T], mode, max_tokens=None) -> scalar
-  LossConfig (frozen dataclass), ALGORITHMS: dict[str, LossConfig], POLICY_LOSSES: dict[str, family function]
-  ppo | gspo | cispo | reinforce(cfg, logp, log_ratio, adv, w, keep) -> (per-token loss [B,T], dict for metrics)
-  policy_loss(cfg, logp, old_logp, advantages [B] | [B,T], mask, *, ref_logp=None, prox_logp=None, entropy=None)
-      -> (loss scalar, metrics dict of jnp scalars)
-
-Run the tests:  python -m pytest -q tests/test_losses.py
-Memory report:  JAX_PLATFORMS=cpu python losses.py   (compiled temp bytes of the log-prob paths vs naive autodiff)
+- A policy-loss family (`ppo`, `gspo`, `cispo`, `reinforce`) maps per-token arrays to a per-token loss;
+  `policy_loss` adds the shared pieces once (masking, off-policy correction, KL, entropy, one `aggregate`,
+  metrics). An algorithm is a `LossConfig` in `ALGORITHMS` naming its family.
 """
 import dataclasses
 import functools
@@ -58,9 +34,7 @@ def _compute_dtype(dtype):
   return jnp.promote_types(dtype, jnp.float32)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Token log-probs and entropy.
-
+# ------------------------------------------------------------------------------------ Token log-probs and entropy
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _logp_entropy(logits, targets, temperature, with_entropy):
@@ -113,26 +87,21 @@ def token_logprobs_and_entropy(logits, targets, temperature=1.0):
   """log pi(target) and entropy H(pi) per position, pi = softmax(logits / temperature), in fp32.
 
   logp_t = s_t[y_t] - logsumexp(s_t),  H_t = logsumexp(s_t) - sum_v p_tv s_tv,  s = logits / temperature.
-  Memory: residuals are the logits (already alive) plus two [B,T] fp32 arrays; the backward forms dlogits
-  [B,T,V] in logits.dtype in one fused pass. Gradients flow to logits through both outputs.
-  """
+  Gradients flow to logits through both outputs; the backward writes dlogits in logits.dtype."""
   _check_logits(logits, targets, temperature)
   return _logp_entropy(logits, targets, float(temperature), True)
 
 
 def token_logprobs(logits, targets, temperature=1.0):
-  """log softmax(logits / temperature)[targets], fp32, [B,T]. Skips the entropy pass (see RESULTS.md for memory)."""
+  """log softmax(logits / temperature)[targets], fp32, [B,T]: token_logprobs_and_entropy without the entropy."""
   _check_logits(logits, targets, temperature)
   return _logp_entropy(logits, targets, float(temperature), False)[0]
 
 
 def chunked_token_logprobs(hidden, unembed, targets, chunk, temperature=1.0):
-  """(logp, entropy) [B,T] from final hidden states without ever forming the full [B,T,V] logits.
-
-  unembed: a [D,V] matrix or a function [B,C,D] -> [B,C,V] (e.g. final norm + tied embedding). The T axis is
-  padded to a multiple of `chunk` and scanned; each chunk is rematerialised in the backward (jax.checkpoint), so
-  peak logits memory is [B,chunk,V] instead of [B,T,V].
-  """
+  """(logp, entropy) [B,T] from final hidden states, with peak logits memory [B,chunk,V] instead of [B,T,V].
+  unembed: a [D,V] matrix or a function [B,C,D] -> [B,C,V] (e.g. final norm + tied embedding). T is padded to a
+  multiple of `chunk` and scanned; each chunk is rematerialised in the backward (jax.checkpoint)."""
   B, T, D = hidden.shape
   if targets.shape != (B, T):
     raise ValueError(f"chunked_token_logprobs: targets {targets.shape} must be [B,T] = {(B, T)}")
@@ -153,9 +122,7 @@ def chunked_token_logprobs(hidden, unembed, targets, chunk, temperature=1.0):
   return unchunk(lp), unchunk(ent)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Advantage estimators (outcome rewards, one scalar per sample).
-
+# -------------------------------------------------- Advantage estimators (outcome rewards, one scalar per sample)
 
 def compute_advantages(estimator, rewards, *, lengths=None, std_normalize=True, group_baseline=True, eps=1e-6):
   """Per-sample advantages [P,G] from outcome rewards [P,G] (row p holds the G samples of prompt p).
@@ -232,10 +199,8 @@ def gae(rewards, values, mask, gamma=1.0, lam=1.0):
   return adv, jnp.where(m, adv + v, 0)
 
 
-def value_loss(values, returns, mask, agg="token_mean", *, old_values=None, clip=None, max_tokens=None,
-               with_clip_frac=False):
-  """PPO value loss 0.5 max((V - R)^2, (V_clip - R)^2), V_clip = old + clip(V - old, -clip, clip).
-
+def value_loss(values, returns, mask, *, old_values=None, clip=None, with_clip_frac=False):
+  """PPO value loss 0.5 max((V - R)^2, (V_clip - R)^2), V_clip = old + clip(V - old, -clip, clip), token mean.
   Schulman et al. 2017 (PPO, arXiv 1707.06347) as implemented in OpenAI baselines; clip=None gives plain 0.5 (V-R)^2.
   with_clip_frac: return (loss, clip_frac), clip_frac = the fraction of valid tokens where the clipped branch is
   the strictly larger one (the gradient is the clipped one's there), as verl/OpenRLHF's vf_clipfrac; 0 without clip.
@@ -249,13 +214,11 @@ def value_loss(values, returns, mask, agg="token_mean", *, old_values=None, clip
     err_clip = (v_clip - jax.lax.stop_gradient(returns)) ** 2
     frac = aggregate((err_clip > err).astype(jnp.float32), mask, "token_mean")
     err = jnp.maximum(err, err_clip)
-  loss = aggregate(0.5 * err, mask, agg, max_tokens)
+  loss = aggregate(0.5 * err, mask, "token_mean")
   return (loss, frac) if with_clip_frac else loss
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# KL, entropy, reward shaping, aggregation.
-
+# ----------------------------------------------------------------------- KL, entropy, reward shaping, aggregation
 
 def kl_penalty(logp, ref_logp, estimator):
   """Per-token estimate of KL(pi || pi_ref) from samples of pi. Schulman 2020, "Approximating KL Divergence"
@@ -313,12 +276,11 @@ def aggregate(x, mask, mode, max_tokens=None):
   raise ValueError(f"aggregate: mode {mode!r} not in {AGG_MODES}")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Policy losses: families, config, presets. A family maps [B,T] arrays (zero at padding) to a per-token loss and a
-# dict for metrics ("ratio", default exp(log_ratio); bool "clip_low"/"clip_high"/"dual_clip", default all False).
-# log_ratio = logp - log pi_prox (or - log mu); w = truncated-IS weight, an input so each family keeps its product
-# order; keep = tokens in the loss. New algorithm: copy a family, name it in POLICY_LOSSES and a preset in ALGORITHMS.
-
+# ----------------------------------------------------------------------- Policy losses: families, config, presets
+# A family maps [B,T] arrays (zero at padding) to a per-token loss and a dict for metrics ("ratio", default
+# exp(log_ratio); bool "clip_low"/"clip_high"/"dual_clip", default all False). log_ratio = logp - log pi_prox (or
+# - log mu); w = truncated-IS weight, an input so each family keeps its product order; keep = tokens in the loss.
+# New algorithm: copy a family, name it in POLICY_LOSSES and a preset in ALGORITHMS.
 
 def ppo(cfg, logp, log_ratio, adv, w, keep):
   """-w min(r A, clip(r, 1-eps_low, 1+eps_high) A) (Schulman et al. 2017, arXiv 1707.06347); eps_high > eps_low is
@@ -358,42 +320,28 @@ POLICY_LOSSES = dict(ppo=ppo, gspo=gspo, cispo=cispo, reinforce=reinforce)
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  """Everything policy_loss / config_advantages need. Validated on construction (and on dataclasses.replace).
-
-  policy_loss      a POLICY_LOSSES name: "ppo" | "gspo" | "cispo" | "reinforce"
-  advantage        an ADVANTAGE_ESTIMATORS name, or "gae" (PPO with a value head; call losses.gae)
-  agg              an AGG_MODES name; max_tokens is the seq_mean_token_sum constant (None = padded length T)
-  eps_low/high     PPO / GSPO ratio clip range [1 - eps_low, 1 + eps_high] (eps_high > eps_low = DAPO clip-higher)
-  dual_clip_c      dual-clip bound (> 1) for negative advantages, None = off
-  cispo_eps_low/high  CISPO IS-weight clip [1 - low, 1 + high]; low=None means no lower bound (as in MiniMax-M1)
-  std_normalize, group_baseline, adv_eps   options of compute_advantages
-  kl_coef, kl_estimator ("k1"|"k2"|"k3"), kl_mode ("loss": + kl_coef * agg(kl); "reward": subtract
-                   kl_coef * KL-to-go from the advantages)
-  entropy_coef     loss -= entropy_coef * agg(entropy)
-  tis_cap          truncated IS cap on pi_prox / mu (None = off); tis_level "token" | "sequence"
-  mask_ratio_cap   drop tokens whose trainer/behaviour ratio is outside [1/cap, cap] (None = off)
-  overlong_buffer_frac  DAPO overlong shaping buffer as a fraction of the generation budget (None = off); the
-                   trainer adds overlong_shaping(lengths, max_new, round(frac * max_new)) to the rewards.
-  """
-  policy_loss: str = "ppo"
-  advantage: str = "grpo"
-  agg: str = "token_mean"
-  eps_low: float = 0.2
+  """Everything policy_loss / config_advantages need (None = off); validated on construction and on replace."""
+  policy_loss: str = "ppo"  # a POLICY_LOSSES family
+  advantage: str = "grpo"  # an ADVANTAGE_ESTIMATORS name, or "gae" (PPO with a value head: losses.gae)
+  agg: str = "token_mean"  # an AGG_MODES name
+  eps_low: float = 0.2  # ratio clip [1 - eps_low, 1 + eps_high] (ppo, gspo); eps_high > eps_low: DAPO clip-higher
   eps_high: float = 0.2
-  dual_clip_c: float | None = None
-  cispo_eps_low: float | None = None
+  dual_clip_c: float | None = None  # dual-clip bound (> 1) for negative advantages
+  cispo_eps_low: float | None = None  # CISPO IS-weight clip [1 - low, 1 + high]; low None: no lower bound
   cispo_eps_high: float = 0.28
-  std_normalize: bool = True
+  std_normalize: bool = True  # std_normalize, group_baseline, adv_eps: options of compute_advantages
   group_baseline: bool = True
   adv_eps: float = 1e-6
   kl_coef: float = 0.0
-  kl_estimator: str = "k3"
-  kl_mode: str = "loss"
-  entropy_coef: float = 0.0
-  tis_cap: float | None = None
+  kl_estimator: str = "k3"  # a KL_ESTIMATORS name (kl_penalty)
+  kl_mode: str = "loss"  # "loss": + kl_coef * agg(kl); "reward": kl_coef * KL-to-go off the advantages
+  entropy_coef: float = 0.0  # loss -= entropy_coef * agg(entropy)
+  tis_cap: float | None = None  # truncated IS cap on pi_prox / mu, per "token" or "sequence" (tis_level)
   tis_level: str = "token"
-  mask_ratio_cap: float | None = None
-  max_tokens: int | None = None
+  mask_ratio_cap: float | None = None  # drop tokens whose trainer/behaviour ratio is outside [1/cap, cap]
+  max_tokens: int | None = None  # seq_mean_token_sum's constant normaliser (None: the padded length T)
+  # DAPO overlong shaping buffer, a fraction of the generation budget max_new: the trainer adds
+  # overlong_shaping(lengths, max_new, round(frac * max_new)) to the rewards.
   overlong_buffer_frac: float | None = None
 
   def __post_init__(self):
@@ -417,39 +365,33 @@ class LossConfig:
         raise ValueError(f"LossConfig.{field} = {getattr(self, field)!r}, expected {allowed}")
 
 
-# Each entry is the combination its paper describes (KL coefficients are the papers' where they use one; set
-# kl_coef=0 to train without a reference model).
+# Each entry is the combination its paper describes, as changes to LossConfig's defaults (PPO-clip 0.2, GRPO
+# advantages, token mean, k3 KL in the loss). KL coefficients are the papers' where they use one; set kl_coef=0
+# to train without a reference model.
 ALGORITHMS = {
     # PPO-clip (Schulman et al. 2017, arXiv 1707.06347) for LMs with a value head and GAE, per-token k1 KL in the
     # reward with beta = 0.02 (InstructGPT, Ouyang et al. 2022, arXiv 2203.02155).
-    "ppo": LossConfig(policy_loss="ppo", advantage="gae", agg="token_mean", eps_low=0.2, eps_high=0.2,
-                      kl_coef=0.02, kl_estimator="k1", kl_mode="reward"),
+    "ppo": LossConfig(advantage="gae", kl_coef=0.02, kl_estimator="k1", kl_mode="reward"),
     # GRPO (Shao et al. 2024, arXiv 2402.03300): group mean/std advantages, per-sequence token mean, k3 KL in the
     # loss with beta = 0.04.
-    "grpo": LossConfig(policy_loss="ppo", advantage="grpo", agg="seq_mean_token_mean", eps_low=0.2, eps_high=0.2,
-                       kl_coef=0.04, kl_estimator="k3", kl_mode="loss"),
+    "grpo": LossConfig(agg="seq_mean_token_mean", kl_coef=0.04),
     # Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): no std, no per-length normaliser (constant max_tokens), no KL.
-    "dr_grpo": LossConfig(policy_loss="ppo", advantage="dr_grpo", agg="seq_mean_token_sum", eps_low=0.2,
-                          eps_high=0.2),
+    "dr_grpo": LossConfig(advantage="dr_grpo", agg="seq_mean_token_sum"),
     # DAPO (Yu et al. 2025, arXiv 2503.14476): clip-higher (0.2 / 0.28), token-level mean, no KL, overlong
     # shaping with a 4096/20480 = 0.2 buffer. (Dynamic sampling is batch curation: data.py.)
-    "dapo": LossConfig(policy_loss="ppo", advantage="grpo", agg="token_mean", eps_low=0.2, eps_high=0.28,
-                       overlong_buffer_frac=0.2),
+    "dapo": LossConfig(eps_high=0.28, overlong_buffer_frac=0.2),
     # GSPO (Zheng et al. 2025, arXiv 2507.18071): sequence-level length-normalised ratio, clip 3e-4 / 4e-4,
     # group-normalised advantages, per-sequence mean, no KL.
-    "gspo": LossConfig(policy_loss="gspo", advantage="grpo", agg="seq_mean_token_mean", eps_low=3e-4,
-                       eps_high=4e-4),
+    "gspo": LossConfig(policy_loss="gspo", agg="seq_mean_token_mean", eps_low=3e-4, eps_high=4e-4),
     # CISPO (MiniMax-M1, arXiv 2506.13585): clipped stop-gradient IS weight on log pi, token-level mean, group-
     # normalised advantages, no lower IS bound. eps_high^IS is tuned in the paper; 0.28 here is our choice.
-    "cispo": LossConfig(policy_loss="cispo", advantage="grpo", agg="token_mean", cispo_eps_low=None,
-                        cispo_eps_high=0.28),
+    "cispo": LossConfig(policy_loss="cispo", cispo_eps_low=None, cispo_eps_high=0.28),
     # RLOO (Ahmadian et al. 2024, arXiv 2402.14740): leave-one-out baseline, REINFORCE on the whole sequence's
     # log-prob (token sum; constant normaliser only rescales the learning rate), no clipping.
     "rloo": LossConfig(policy_loss="reinforce", advantage="rloo", agg="seq_mean_token_sum"),
     # REINFORCE++-baseline (Hu 2025, arXiv 2501.03262): group-mean baseline, then global batch normalisation,
     # PPO-clip loss, token mean; the paper's k2 KL-as-loss variant (coefficient 0 here: no reference by default).
-    "reinforce_pp": LossConfig(policy_loss="ppo", advantage="reinforce_pp", agg="token_mean", eps_low=0.2,
-                               eps_high=0.2, group_baseline=True, kl_estimator="k2", kl_mode="loss"),
+    "reinforce_pp": LossConfig(advantage="reinforce_pp", group_baseline=True, kl_estimator="k2"),
 }
 
 
@@ -459,27 +401,23 @@ def config_advantages(cfg, rewards, lengths=None):
                             group_baseline=cfg.group_baseline, eps=cfg.adv_eps)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Policy loss: the shared wrapper around a family.
-
+# ---------------------------------------------------------------- Policy loss: the shared wrapper around a family
 
 def policy_loss(cfg, logp, old_logp, advantages, mask, *, ref_logp=None, prox_logp=None, entropy=None):
   """Scalar loss to minimise and a dict of jnp-scalar metrics. All [B,T] inputs; advantages [B] or [B,T].
 
-  logp       trainer log-probs of the sampled tokens (differentiated); old_logp: the worker's behaviour mu.
-  prox_logp  optional proximal policy (trainer log-probs at the start of the step, no gradient). Decoupled PPO
-             (Hilton et al. 2021, arXiv 2110.00641): the ratio is r = pi_theta / pi_prox and the behaviour
-             mismatch pi_prox / mu is handled by truncated IS. Without it r = pi_theta / mu.
-  The per-token loss is POLICY_LOSSES[cfg.policy_loss]; this wrapper adds the shared pieces:
+  logp: the trainer's log-probs of the sampled tokens (differentiated); old_logp: the worker's behaviour mu.
+  prox_logp: optional proximal policy (the trainer's log-probs at the start of the step, no gradient). Decoupled
+  PPO (Hilton et al. 2021, arXiv 2110.00641): the ratio is r = pi_theta / pi_prox and the mismatch pi_prox / mu is
+  handled by truncated IS; without it r = pi_theta / mu. Around the family POLICY_LOSSES[cfg.policy_loss]:
   Truncated IS (Espeholt et al. 2018, arXiv 1802.01561; Yao et al. 2025, "Your Efficient RL Framework Secretly
   Brings You Off-Policy RL Training"): token w_bt = min(pi_prox/mu, cap); sequence w_b = min(prod_t pi_prox/mu, cap)
-  (computed in log space). Needs prox_logp; for one update per batch pass prox_logp=jax.lax.stop_gradient(logp).
+  (in log space). Needs prox_logp; for one update per batch pass prox_logp=jax.lax.stop_gradient(logp).
   mask_ratio_cap = C drops tokens whose rho = pi_trainer / mu (pi_trainer = prox, or sg(logp)) is outside [1/C, C]
   from every term (masked importance sampling, as in IcePop / MIS, 2025).
   KL (needs ref_logp when kl_coef > 0): mode "loss" adds kl_coef * agg(kl_t); mode "reward" subtracts
   kl_coef * sum_{s>=t} kl_s (gamma = 1, from the fixed pi_prox or mu, no gradient) from A_t, after the advantage
-  estimator (so REINFORCE++ whitening does not see it).
-  Entropy bonus: loss -= entropy_coef * agg(entropy) (entropy from token_logprobs_and_entropy, differentiated).
+  estimator (so REINFORCE++ whitening does not see it). Entropy bonus: loss -= entropy_coef * agg(entropy).
   """
   B, T = logp.shape
   for name, x in dict(old_logp=old_logp, mask=mask, ref_logp=ref_logp, prox_logp=prox_logp, entropy=entropy).items():
@@ -551,37 +489,3 @@ def policy_loss(cfg, logp, old_logp, advantages, mask, *, ref_logp=None, prox_lo
       adv_mean=vmean(adv), n_tokens=jnp.sum(keep).astype(dt),
   )
   return loss, metrics
-
-
-def _memory_report(B=4, T=512, V=32768, D=512, chunk=64):
-  """Print XLA temp bytes (compiled, not run) of grad(sum logp [+ entropy]) for bf16 logits, vs naive autodiff."""
-  logits = jax.ShapeDtypeStruct((B, T, V), jnp.bfloat16)
-  targets = jnp.zeros((B, T), jnp.int32)
-  full = B * T * V * 4  # one fp32 [B,T,V] buffer
-
-  def naive(l, ent):
-    ls = jax.nn.log_softmax(l.astype(jnp.float32), axis=-1)
-    lp = jnp.take_along_axis(ls, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum(lp) + (jnp.sum(-jnp.exp(ls) * ls) if ent else 0.0)
-
-  def temp(f, *args):
-    return jax.jit(jax.grad(f, argnums=tuple(range(len(args))))).lower(*args).compile().memory_analysis(
-        ).temp_size_in_bytes
-
-  hidden, w = jax.ShapeDtypeStruct((B, T, D), jnp.bfloat16), jax.ShapeDtypeStruct((D, V), jnp.bfloat16)
-  chunked = lambda h, w: sum(map(jnp.sum, chunked_token_logprobs(h, w, targets, chunk)))
-  dense = lambda h, w: sum(map(jnp.sum, token_logprobs_and_entropy(jnp.einsum("btd,dv->btv", h, w), targets)))
-  rows = [("naive log_softmax, logp", temp(lambda l: naive(l, False), logits)),
-          ("token_logprobs", temp(lambda l: jnp.sum(token_logprobs(l, targets)), logits)),
-          ("naive log_softmax, logp + entropy", temp(lambda l: naive(l, True), logits)),
-          ("token_logprobs_and_entropy", temp(lambda l: sum(map(jnp.sum, token_logprobs_and_entropy(l, targets))),
-                                              logits)),
-          (f"hidden @ unembed -> token_logprobs_and_entropy (D={D})", temp(dense, hidden, w)),
-          (f"chunked_token_logprobs (chunk={chunk}, D={D})", temp(chunked, hidden, w))]
-  print(f"{jax.default_backend()}: grad temp bytes, bf16 logits B={B} T={T} V={V}; one fp32 [B,T,V] = {full / 2**20:.0f} MiB")
-  for name, b in rows:
-    print(f"  {name:58s} {b / 2**20:8.1f} MiB  ({b / full:.2f} x fp32 [B,T,V])")
-
-
-if __name__ == "__main__":
-  _memory_report()

@@ -1,4 +1,4 @@
-"""model.py: a hand-written JAX decoder-only transformer that loads and saves real Hugging Face checkpoints.
+"""A hand-written JAX decoder-only transformer that loads and saves real Hugging Face checkpoints.
 
 Families: Qwen2 / Qwen2.5 / QwQ (QKV bias), Qwen3 (q/k RMSNorm, no bias), Llama (no bias; Llama-3 rope scaling).
 All are the same block: pre-RMSNorm, GQA attention with RoPE (HF "rotate_half" layout), SwiGLU MLP.
@@ -7,72 +7,27 @@ Dimension legend (einsums and shape comments):
   B batch   T query len   S key / cache len   D d_model   F ffw dim   N q heads   K kv heads   H head dim
   V vocab   L layers
 
-Design choices
-  * Params are a plain nested dict of arrays. Per-layer weights are stacked along a leading L axis and the
-    forward is one `jax.lax.scan` over layers, so compile time does not grow with depth (the training forward
-    unrolls it on XLA CPU, where the loop's slices and stacks are copies; see forward_hidden). Layout:
-      embed [V,D]; final_norm [D]; lm_head [D,V] (absent when tie_embeddings: logits use embed.T);
-      layers: attn_norm [L,D], wq [L,D,N,H], wk/wv [L,D,K,H], wo [L,N,H,D], (bq [L,N,H], bk/bv [L,K,H] when
-      qkv_bias), (q_norm/k_norm [L,H] when qk_norm), mlp_norm [L,D], w_gate/w_up [L,D,F], w_down [L,F,D].
-  * One code path: training forward, prefill and decode all run the same `_block`; they differ only in the
-    attention callback (full causal/segment attention vs. one query against the KV cache). So the trainer's
-    recomputed log-probs and the rollout worker's log-probs come from the same math.
-  * Attention goes through `pallas_kernels.attention` / `.decode_attention` (jnp reference on CPU, Pallas on TPU).
-  * Precision policy. Params may be fp32 or bf16. Every matmul takes its inputs in the param dtype and
-    accumulates/returns fp32 (`preferred_element_type`). The residual stream, RMSNorm, RoPE, SiLU and the final
-    logits are fp32; q/k/v and the attention output are cast to the param dtype (the kernels softmax in fp32).
-    In fp32 this is exactly the HF math. On TPU set `jax_default_matmul_precision=highest` for fp32 parity.
-  * Sharding. A logical-axis -> mesh-axis table (`LOGICAL_RULES`) over a ("data","fsdp","tensor") mesh:
-    batch->(data,fsdp), embed->fsdp, heads/kv_heads/ffw/vocab->tensor, everything else replicated. Params are
-    placed by `shard_params`; activations are constrained with `with_sharding_constraint` by the same table
-    whenever a mesh is set with `jax.set_mesh(mesh)` (no mesh set: no constraints, runs on one device).
-    Fallback rule: for each dim, the mesh axes of its rule are kept only while the dim size is divisible by
-    their product (axes are dropped from the end: batch 2 on data=2,fsdp=4 -> data only), and a mesh axis is
-    used at most once per array (first dim wins). E.g. 1x1x8 with K=2 kv heads: wk/wv/k/v/cache replicate K.
-    `make_mesh` uses `AxisType.Auto` axes, so XLA's partitioner inserts the collectives (FSDP all-gathers,
-    tensor-parallel reduce-scatters); model.py never uses shard_map.
-  * KV cache: dict(k: list of L per-layer [B,K,H,S] arrays, v: L [B,K,S,H], lengths [B] int32), ragged: row b holds
-    positions [0, lengths[b]). Prefill writes [0, lengths[b]) from right-padded prompts; decode writes one token
-    at position lengths[b] (also its RoPE position) and increments lengths. The caller keeps lengths < S: a write
-    past the end is dropped by XLA's scatter (cannot raise inside jit). One buffer per layer, (b, k) leading:
-    decode and prefill loop over the layers in Python (as jax-llm-examples does), each layer's new k/v is
-    scattered into its own buffer in place (donated by the caller) and the attention reads it as is, with no
-    per-layer slice or transposed copy of the cache (XLA CPU made both in a scan over a stacked [L,B,S,K,H]).
-    Keys are stored transposed, [H,S] per (b, k), so both attention products are plain [M,C] x [C,N] matmuls
-    (q [G,H] x k [H,S], p [G,S] x v [S,H]): XLA CPU ran q x k^T on an [S,H] key buffer 2-3x slower, and on TPU
-    the Pallas decode kernel gets [H, block_s] key tiles, the MXU's right-hand layout (RESULTS.md, bench_decode).
-    The weights may be stacked (static slices per layer; XLA TPU reads them inside the matmuls) or a per-layer
-    list (`unstack_layers`, what rollout.Engine decodes from on CPU, where the slices were copies).
-  * HF I/O uses the `safetensors` numpy API (bf16 via ml_dtypes); HF Linear weights [out,in] are transposed into
-    our [in,...,out] einsum layout. Saved directories (config.json in transformers-5 style with
-    `rope_parameters` and `dtype`; model.safetensors or shards + model.safetensors.index.json) load unchanged in
-    `transformers.AutoModelForCausalLM.from_pretrained`. config.json parsing accepts both the transformers-4
-    spelling (`rope_theta` + `rope_scaling` with `type`/`rope_type`, `torch_dtype`) and the 5.x one.
+Design
+  * Params are a plain nested dict, per-layer weights stacked on a leading L axis (`param_axes`: every shape and
+    logical axis). The training forward, prefill and decode all run `_block` and differ only in the attention
+    callback (pallas_kernels: jnp on CPU, Pallas on TPU), so the trainer's and the worker's log-probs come from
+    the same math.
+  * Precision: params fp32 or bf16; matmuls take inputs in the param dtype and return fp32 (fp32 accumulation);
+    the residual stream, RMSNorm, RoPE, SiLU and the logits are fp32, q/k/v and the attention output the param
+    dtype (softmax in fp32). In fp32 this is HF's math (on TPU with jax_default_matmul_precision=highest).
+  * Sharding: LOGICAL_RULES maps logical axes onto a ("data","fsdp","tensor") mesh, for params (`shard_params`)
+    and activations (with_sharding_constraint, whenever jax.set_mesh has set a mesh). A dim keeps its rule's mesh
+    axes only while their product divides it (dropping axes from the end: batch 2 on data=2,fsdp=4 -> data), and
+    a mesh axis is used once per array (first dim wins). The axes are Auto: XLA inserts the collectives.
+  * KV cache: per layer a k [B,K,H,S] and a v [B,K,S,H] buffer, and lengths [B]: row b holds positions
+    [0, lengths[b]); decode writes at lengths[b], its RoPE position (kept < S by the caller: XLA drops a write past
+    the end). Prefill and decode loop over the layers in Python, updating each layer's (donated) buffer in place
+    (a scan over a stacked cache made copies on XLA CPU). Keys are [H,S]: both attention products are plain
+    matmuls (XLA CPU ran q k^T on [S,H] keys 2-3x slower; the Pallas decode kernel gets the MXU's [H, block_s]).
 
-Public API
-  Config (frozen, hashable: pass as a static jit arg)
-    Config(vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, ffw_dim, rope_theta=1e4,
-           rope_scaling=None, rms_norm_eps=1e-6, tie_embeddings=False, qkv_bias=False, qk_norm=False,
-           max_position_embeddings=32768, arch="LlamaForCausalLM", bos_token_id=None, eos_token_ids=())
-    Config.from_hf_dict(d, source="config.json"), Config.from_hf(dir_or_config_json), cfg.to_hf_dict()
-  init_params(cfg, key, dtype=jnp.float32) -> params
-  forward(params, cfg, tokens [B,T], positions=None, segment_ids=None, *, attn_impl="auto", remat=False)
-      -> logits [B,T,V] fp32
-  forward_hidden(same args) -> final normed hidden [B,T,D] fp32;  logits_from_hidden(params, cfg, h) -> fp32
-  init_cache(cfg, batch, max_len, dtype=jnp.float32) -> cache;  unstack_layers(params) -> params (per-layer list)
-  prefill(params, cfg, tokens [B,T], lengths [B], cache, *, attn_impl="auto") -> (last_logits [B,V], cache)
-  decode_step(params, cfg, tokens [B], cache, *, attn_impl="auto") -> (logits [B,V], cache)
-  load_hf_checkpoint(path, dtype=None, *, mesh=None) -> (cfg, params)
-  save_hf_checkpoint(path, cfg, params, dtype=None, *, max_shard_bytes=4 GiB)
-  LOGICAL_RULES, make_mesh(data, fsdp, tensor, devices=None), logical_spec(axes, shape, mesh),
-  param_axes(cfg), param_specs(cfg, mesh=None), param_shardings(cfg, mesh), shard_params(params, cfg, mesh),
-  cache_axes()
-
-Run
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python -m pytest -q tests/test_model.py
-  Example:  cfg, params = load_hf_checkpoint("/ckpt/Qwen2.5-0.5B", dtype=jnp.bfloat16)
-            mesh = make_mesh(1, 2, 4); params = shard_params(params, cfg, mesh)
-            with jax.set_mesh(mesh): logits = jax.jit(forward, static_argnums=1)(params, cfg, tokens)
+Example:  cfg, params = load_hf_checkpoint("/ckpt/Qwen2.5-0.5B", dtype=jnp.bfloat16)
+          mesh = make_mesh(1, 2, 4); params = shard_params(params, cfg, mesh)
+          with jax.set_mesh(mesh): logits = jax.jit(forward, static_argnums=1)(params, cfg, tokens)
 """
 import dataclasses
 import functools
@@ -135,17 +90,12 @@ class Config:
     for f, v in _FAMILY_FLAGS[_ARCHS[self.arch]].items():
       if getattr(self, f) != v:
         raise ValueError(f"Config.{f}={getattr(self, f)} does not match arch {self.arch} (which has {f}={v})")
-    if self.rope_scaling is not None:
-      rs = dict(self.rope_scaling)
-      if rs.get("rope_type") != "llama3" or any(k not in rs for k in _LLAMA3_KEYS):
-        raise ValueError(f"Config.rope_scaling={self.rope_scaling!r}: only rope_type 'llama3' with keys "
-                         f"{_LLAMA3_KEYS} is supported")
+    rs = dict(self.rope_scaling or {})
+    if self.rope_scaling is not None and (rs.get("rope_type") != "llama3" or any(k not in rs for k in _LLAMA3_KEYS)):
+      raise ValueError(f"Config.rope_scaling={self.rope_scaling!r}: only rope_type 'llama3' with keys "
+                       f"{_LLAMA3_KEYS} is supported")
     if not isinstance(self.eos_token_ids, tuple):
       raise ValueError(f"Config.eos_token_ids must be a tuple (hashable), got {self.eos_token_ids!r}")
-
-  @property
-  def model_type(self):
-    return _ARCHS[self.arch]
 
   @classmethod
   def from_hf(cls, path):
@@ -155,74 +105,66 @@ class Config:
       raise ValueError(f"no HF config at {fn!r}")
     try:
       with open(fn) as f:
-        d = json.load(f)
+        return cls.from_hf_dict(json.load(f), source=fn)
     except json.JSONDecodeError as e:
       raise ValueError(f"{fn}: invalid JSON: {e}") from e
-    return cls.from_hf_dict(d, source=fn)
 
   @classmethod
   def from_hf_dict(cls, d, source="config.json"):
     """Parses an HF config dict (transformers 4.x or 5.x spelling). ValueError names the offending field."""
+    def bad(msg):
+      raise ValueError(f"{source}: {msg}")
+
     if not isinstance(d, dict):
-      raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
-
-    def req(key):
-      if d.get(key) is None:
-        raise ValueError(f"{source}: missing required field {key!r}")
-      return d[key]
-
+      bad(f"expected a JSON object, got {type(d).__name__}")
     mt = d.get("model_type")
     if mt not in _FAMILY_FLAGS:
-      raise ValueError(f"{source}: model_type={mt!r} unsupported; supported: {sorted(_FAMILY_FLAGS)}")
+      bad(f"model_type={mt!r} unsupported; supported: {sorted(_FAMILY_FLAGS)}")
     archs = d.get("architectures") or [next(a for a, m in _ARCHS.items() if m == mt)]
     if not isinstance(archs, list) or len(archs) != 1 or _ARCHS.get(archs[0]) != mt:
-      raise ValueError(f"{source}: architectures={archs!r} does not match model_type={mt!r} "
-                       f"(supported: {sorted(_ARCHS)})")
+      bad(f"architectures={archs!r} does not match model_type={mt!r} (supported: {sorted(_ARCHS)})")
     if d.get("hidden_act", "silu") != "silu":
-      raise ValueError(f"{source}: hidden_act={d['hidden_act']!r} unsupported (only 'silu')")
+      bad(f"hidden_act={d['hidden_act']!r} unsupported (only 'silu')")
     if d.get("use_sliding_window"):
-      raise ValueError(f"{source}: use_sliding_window=true unsupported (full attention only)")
-    bad_layers = [t for t in (d.get("layer_types") or []) if t != "full_attention"]
-    if bad_layers:
-      raise ValueError(f"{source}: layer_types contains {bad_layers[0]!r}; only 'full_attention' is supported")
+      bad("use_sliding_window=true unsupported (full attention only)")
+    for t in d.get("layer_types") or []:
+      if t != "full_attention":
+        bad(f"layer_types contains {t!r}; only 'full_attention' is supported")
     for f in ("attention_bias", "mlp_bias"):
       # Qwen2 hard-codes q/k/v bias; Qwen3/Llama attention_bias would also add an o_proj bias we don't model.
       if mt != "qwen2" and d.get(f):
-        raise ValueError(f"{source}: {f}=true unsupported for model_type={mt!r}")
-
+        bad(f"{f}=true unsupported for model_type={mt!r}")
     # RoPE: transformers 5 writes rope_parameters={rope_type, rope_theta, ...}; 4.x wrote rope_theta at top
     # level and rope_scaling={type|rope_type, ...} or null.
-    rp = d.get("rope_parameters")
-    field = "rope_scaling" if rp is None else "rope_parameters"
-    if rp is None:
-      rp = dict(d.get("rope_scaling") or {})
-      rp.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+    field = "rope_scaling" if d.get("rope_parameters") is None else "rope_parameters"
+    rp = d[field] if field == "rope_parameters" else {"rope_theta": d.get("rope_theta", 10000.0),
+                                                      **dict(d.get("rope_scaling") or {})}
     if not isinstance(rp, dict):
-      raise ValueError(f"{source}: {field} must be an object, got {rp!r}")
+      bad(f"{field} must be an object, got {rp!r}")
     rtype = rp.get("rope_type", rp.get("type", "default"))
     if rp.get("partial_rotary_factor", 1.0) != 1.0:
-      raise ValueError(f"{source}: {field}.partial_rotary_factor={rp['partial_rotary_factor']} unsupported")
-    if rtype == "default":
-      rope_scaling = None
-    elif rtype == "llama3":
-      missing = [k for k in _LLAMA3_KEYS if k not in rp]
-      if missing:
-        raise ValueError(f"{source}: {field} of rope_type 'llama3' is missing {missing[0]!r}")
-      rope_scaling = tuple(sorted([(k, float(rp[k])) for k in _LLAMA3_KEYS] + [("rope_type", "llama3")]))
-    else:
-      raise ValueError(f"{source}: {field}.rope_type={rtype!r} unsupported (supported: 'default', 'llama3')")
+      bad(f"{field}.partial_rotary_factor={rp['partial_rotary_factor']} unsupported")
+    if rtype not in ("default", "llama3"):
+      bad(f"{field}.rope_type={rtype!r} unsupported (supported: 'default', 'llama3')")
+    missing = [k for k in _LLAMA3_KEYS if k not in rp] if rtype == "llama3" else []
+    if missing:
+      bad(f"{field} of rope_type 'llama3' is missing {missing[0]!r}")
+    rope_scaling = (tuple(sorted([(k, float(rp[k])) for k in _LLAMA3_KEYS] + [("rope_type", "llama3")]))
+                    if rtype == "llama3" else None)
+    for key in ("num_attention_heads", "hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size"):
+      if d.get(key) is None:
+        bad(f"missing required field {key!r}")
 
-    n_heads = req("num_attention_heads")
-    d_model = req("hidden_size")
+    n_heads, d_model = d["num_attention_heads"], d["hidden_size"]
     # Qwen3Config's head_dim defaults to 128 (not d_model // n_heads); mirror HF exactly.
     head_dim = d.get("head_dim") or (128 if mt == "qwen3" else d_model // max(int(n_heads), 1))
     eos = d.get("eos_token_id")
     eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
     try:
       return cls(
-          vocab_size=req("vocab_size"), d_model=d_model, n_layers=req("num_hidden_layers"), n_heads=n_heads,
+          vocab_size=d["vocab_size"], d_model=d_model, n_layers=d["num_hidden_layers"], n_heads=n_heads,
           n_kv_heads=d.get("num_key_value_heads") or n_heads, head_dim=head_dim,
-          ffw_dim=req("intermediate_size"), rope_theta=float(rp.get("rope_theta", 10000.0)),
+          ffw_dim=d["intermediate_size"], rope_theta=float(rp.get("rope_theta", 10000.0)),
           rope_scaling=rope_scaling, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
           tie_embeddings=bool(d.get("tie_word_embeddings", False)),
           max_position_embeddings=d.get("max_position_embeddings") or 32768,
@@ -236,9 +178,9 @@ class Config:
     if self.rope_scaling is not None:
       rp.update(dict(self.rope_scaling))
       rp["original_max_position_embeddings"] = int(rp["original_max_position_embeddings"])
-    eos = list(self.eos_token_ids)
+    eos, mt = list(self.eos_token_ids), _ARCHS[self.arch]
     d = {
-        "architectures": [self.arch], "model_type": self.model_type, "vocab_size": self.vocab_size,
+        "architectures": [self.arch], "model_type": mt, "vocab_size": self.vocab_size,
         "hidden_size": self.d_model, "intermediate_size": self.ffw_dim, "num_hidden_layers": self.n_layers,
         "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim,
         "hidden_act": "silu", "max_position_embeddings": self.max_position_embeddings,
@@ -246,12 +188,9 @@ class Config:
         "bos_token_id": self.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "attention_dropout": 0.0, "use_cache": True,
     }
-    if self.model_type != "qwen2":
+    if mt != "qwen2":
       d["attention_bias"] = False
-    if self.model_type == "llama":
-      d["mlp_bias"] = False
-    else:
-      d["use_sliding_window"] = False
+    d["mlp_bias" if mt == "llama" else "use_sliding_window"] = False
     if dtype is not None:
       d["dtype"] = str(jnp.dtype(dtype))
     return d
@@ -259,20 +198,15 @@ class Config:
 
 # --------------------------------------------------------------------------------------------------- Sharding
 
-# Logical axis -> mesh axes. Anything not listed (layers, seq, head_dim, norm, act_embed) is replicated.
-# Activations use "act_embed" for D, so the FSDP axis shards the batch there and the weights' D here.
-LOGICAL_RULES = (
-    ("batch", pallas_kernels.BATCH_AXES),  # the attention kernels' shard_map split: the same axes
-    ("embed", ("fsdp",)),
-    ("heads", (pallas_kernels.HEAD_AXIS,)),
-    ("kv_heads", (pallas_kernels.HEAD_AXIS,)),
-    ("ffw", ("tensor",)),
-    ("vocab", ("tensor",)),
-)
+# Logical axis -> mesh axes; anything not listed (layers, seq, head_dim, norm, act_embed) is replicated.
+# Activations use "act_embed" for D, so the fsdp axis shards the batch there and the weights' D here.
+LOGICAL_RULES = (("batch", pallas_kernels.BATCH_AXES),  # the attention kernels' shard_map split: the same axes
+                 ("embed", ("fsdp",)), ("heads", (pallas_kernels.HEAD_AXIS,)),
+                 ("kv_heads", (pallas_kernels.HEAD_AXIS,)), ("ffw", ("tensor",)), ("vocab", ("tensor",)))
 
 
 def make_mesh(data, fsdp, tensor, devices=None):
-  """A ("data","fsdp","tensor") mesh with Auto axis types (XLA inserts collectives; see module docstring)."""
+  """A ("data","fsdp","tensor") mesh with Auto axis types (XLA inserts the collectives)."""
   n = data * fsdp * tensor
   devices = list(jax.devices() if devices is None else devices)
   if n > len(devices):
@@ -282,7 +216,7 @@ def make_mesh(data, fsdp, tensor, devices=None):
 
 
 def logical_spec(axes, shape, mesh):
-  """PartitionSpec for an array with logical `axes`, applying the divisibility/use-once fallback rule."""
+  """PartitionSpec of an array with logical `axes` under LOGICAL_RULES and the fallback rule (module docstring)."""
   assert len(axes) == len(shape), (axes, shape)
   sizes, rules, used, spec = dict(mesh.shape), dict(LOGICAL_RULES), set(), []
   for name, dim in zip(axes, shape):
@@ -295,33 +229,25 @@ def logical_spec(axes, shape, mesh):
 
 def _constrain(x, axes):
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return x
-  return jax.lax.with_sharding_constraint(x, logical_spec(axes, x.shape, mesh))
+  return x if mesh.empty else jax.lax.with_sharding_constraint(x, logical_spec(axes, x.shape, mesh))
 
 
 def param_axes(cfg):
-  """name -> (shape, logical axes) for every param; the single source of truth for init, sharding and I/O."""
+  """name -> (shape, logical axes) for every param; the single source of truth for init, sharding and I/O.
+  lm_head is absent when tie_embeddings (logits use embed.T); bq/bk/bv exist with qkv_bias, q_norm/k_norm with
+  qk_norm."""
   L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffw_dim,
                          cfg.vocab_size)
-  layers = {
-      "attn_norm": ((L, D), ("layers", "norm")),
-      "wq": ((L, D, N, H), ("layers", "embed", "heads", "head_dim")),
-      "wk": ((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
-      "wv": ((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
-      "wo": ((L, N, H, D), ("layers", "heads", "head_dim", "embed")),
-      "mlp_norm": ((L, D), ("layers", "norm")),
-      "w_gate": ((L, D, F), ("layers", "embed", "ffw")),
-      "w_up": ((L, D, F), ("layers", "embed", "ffw")),
-      "w_down": ((L, F, D), ("layers", "ffw", "embed")),
-  }
+  norm, kv, up = ((L, D), ("layers", "norm")), ((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")), \
+      ((L, D, F), ("layers", "embed", "ffw"))
+  layers = {"attn_norm": norm, "wq": ((L, D, N, H), ("layers", "embed", "heads", "head_dim")), "wk": kv, "wv": kv,
+            "wo": ((L, N, H, D), ("layers", "heads", "head_dim", "embed")), "mlp_norm": norm, "w_gate": up,
+            "w_up": up, "w_down": ((L, F, D), ("layers", "ffw", "embed"))}
   if cfg.qkv_bias:
     layers["bq"] = ((L, N, H), ("layers", "heads", "head_dim"))
-    layers["bk"] = ((L, K, H), ("layers", "kv_heads", "head_dim"))
-    layers["bv"] = ((L, K, H), ("layers", "kv_heads", "head_dim"))
+    layers["bk"] = layers["bv"] = ((L, K, H), ("layers", "kv_heads", "head_dim"))
   if cfg.qk_norm:
-    layers["q_norm"] = ((L, H), ("layers", "head_dim"))
-    layers["k_norm"] = ((L, H), ("layers", "head_dim"))
+    layers["q_norm"] = layers["k_norm"] = ((L, H), ("layers", "head_dim"))
   out = {"embed": ((V, D), ("vocab", "embed")), "final_norm": ((D,), ("norm",)), "layers": layers}
   if not cfg.tie_embeddings:
     out["lm_head"] = ((D, V), ("embed", "vocab"))
@@ -349,26 +275,24 @@ def shard_params(params, cfg, mesh):
 
 
 def cache_axes():
-  """Logical axes of the cache: of each layer's k buffer [B,K,H,S] and v buffer [B,K,S,H], and of lengths [B]."""
+  """Logical axes of each layer's k buffer [B,K,H,S] and v buffer [B,K,S,H], and of lengths [B]."""
   return {"k": ("batch", "kv_heads", "head_dim", "cache_seq"), "v": ("batch", "kv_heads", "cache_seq", "head_dim"),
           "lengths": ("batch",)}
 
 
 def cache_at(name, rows, pos):
   """Index of cache buffer `name` ("k" or "v") at batch rows `rows` and sequence positions `pos`, wherever
-  cache_axes puts the sequence axis: the one place prefill, decode_step and rollout.Engine take it from."""
+  cache_axes puts the sequence axis (for prefill, decode_step and rollout.Engine)."""
   return (rows,) + (slice(None),) * (cache_axes()[name].index("cache_seq") - 1) + (pos,)
 
 
 # ----------------------------------------------------------------------------------------------------- Params
 
 def init_params(cfg, key, dtype=jnp.float32, std=0.02, normal=None, zero_bias=True):
-  """Random params (HF-style init: N(0, 0.02) matrices, unit norms, zero biases); the one random init. Sharded:
-  jax.jit(init_params, static_argnums=(0, 2), out_shardings=param_shardings(cfg, mesh)). std: the N(0, 0.02) draw
-  times std/0.02 (bitwise that draw at the default). normal(shape) -> fp32 N(0, 1) draws in tree order, instead of
-  jax.random (key unused; a numpy draw skips ~10 s of compile on 2 cores). zero_bias=False: QKV biases drawn too."""
-  axes = param_axes(cfg)
-  flat, treedef = jax.tree.flatten_with_path(axes, is_leaf=_is_leaf)
+  """HF-style random params: N(0, std) matrices (the N(0, 0.02) draw times std/0.02), unit norms, zero biases
+  (zero_bias=False: QKV biases drawn too). normal(shape) -> fp32 N(0, 1) draws in tree order replaces jax.random
+  (key unused). Sharded: jax.jit(init_params, static_argnums=(0, 2), out_shardings=param_shardings(cfg, mesh))."""
+  flat, treedef = jax.tree.flatten_with_path(param_axes(cfg), is_leaf=_is_leaf)
   keys = jax.random.split(key, len(flat)) if normal is None else [None] * len(flat)
   leaves = []
   for (path, (shape, _)), k in zip(flat, keys):
@@ -387,7 +311,7 @@ def init_params(cfg, key, dtype=jnp.float32, std=0.02, normal=None, zero_bias=Tr
 
 def _dot(eq, x, w):
   # Inputs in the weight's dtype (bf16 MXU path), fp32 accumulation and result. Every projection contracts x's
-  # trailing dims with w's leading ones (w is [in..., out...]), which is what _proj's backward relies on.
+  # trailing dims with w's leading ones (w is [in..., out...]), which _proj's backward relies on.
   return _proj(eq, x.astype(w.dtype), w)
 
 
@@ -396,15 +320,9 @@ def _proj(eq, x, w):
   return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
 
 
-def _proj_fwd(eq, x, w):
-  return _proj(eq, x, w), (x, w)
-
-
 def _proj_bwd(eq, res, g):
-  """The backward as two 2-D matmuls on flattened [tokens, in] x [in, out]: the same math as autodiff's
-  transposed einsums, but XLA's CPU backend ran those (weight gradient contracting over B and T at once,
-  transposes fused into elementwise producers) at a third of its matmul speed: the MLP's fwd+bwd took 6x its
-  forward instead of 3x (issue 17, bench_train). The forward is untouched, so log-probs are bitwise as before."""
+  """Autodiff's math as two 2-D matmuls on flattened [tokens, in] x [in, out]: XLA CPU ran autodiff's transposed
+  einsums (the weight gradient contracting over B and T at once) at a third of its matmul speed."""
   x, w = res
   xs, ws = eq.split("->")[0].split(",")
   k = math.prod(w.shape[:sum(c in xs for c in ws)])  # the contracted (leading) dims of w
@@ -415,11 +333,10 @@ def _proj_bwd(eq, res, g):
   return dx, dw
 
 
-_proj.defvjp(_proj_fwd, _proj_bwd)
+_proj.defvjp(lambda eq, x, w: (_proj(eq, x, w), (x, w)), _proj_bwd)
 
 
-def _rms_norm(x, w, eps):
-  # fp32 statistics regardless of param dtype (HF does the same).
+def _rms_norm(x, w, eps):  # fp32 statistics whatever the param dtype (as HF)
   x = x.astype(jnp.float32)
   x = x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / x.shape[-1] + eps)
   return w.astype(jnp.float32) * x
@@ -436,18 +353,16 @@ def _inv_freq(cfg):
     smooth = (old / wavelen - lo) / (hi - lo)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
-    inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    inv = np.where(medium, smoothed, scaled)
   return inv.astype(np.float32)
 
 
-def _rope_tables(cfg, positions):
-  # positions [B,T] int -> cos/sin [B,T,H/2] fp32.
+def _rope_tables(cfg, positions):  # positions [B,T] int -> cos/sin [B,T,H/2] fp32
   ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(_inv_freq(cfg))
   return jnp.cos(ang), jnp.sin(ang)
 
 
-def _rope(x, cos, sin):
-  # HF rotate_half layout: the two halves of the head dim form the rotated pairs. x [B,T,N,H] fp32.
+def _rope(x, cos, sin):  # HF rotate_half layout: the two halves of the head dim are the rotated pairs
   h = x.shape[-1] // 2
   x1, x2 = x[..., :h], x[..., h:]
   c, s = cos[:, :, None], sin[:, :, None]
@@ -470,9 +385,7 @@ def _block(x, lp, cfg, cos, sin, attn_fn, layer_xs):
   k = _constrain(k.astype(dt), ("batch", "seq", "kv_heads", "head_dim"))
   v = _constrain(v.astype(dt), ("batch", "seq", "kv_heads", "head_dim"))
   o, y = attn_fn(q, k, v, layer_xs)
-  # o [B,T,N,H] x wo [N,H,D] as one contracted N*H dim (both reshapes are free): written "btnh,nhd->btd", jnp.einsum
-  # contracts (h, n) in that order, and XLA then transposed wo and o in every call (a [D,D] copy per layer and
-  # decode step).
+  # o x wo with N*H as one contracted dim (free reshapes): as "btnh,nhd->btd" XLA transposed wo and o every call.
   o, wo = o.reshape(*o.shape[:2], -1), lp["wo"].reshape(-1, lp["wo"].shape[-1])
   x = _constrain(x + _dot("btf,fd->btd", o, wo), ("batch", "seq", "act_embed"))
   h = _rms_norm(x, lp["mlp_norm"], eps)
@@ -491,8 +404,7 @@ def _embed(params, tokens):
 
 
 def _run(params, cfg, tokens, positions, attn_fn, remat=False, unroll=False):
-  """Embed -> scan of _block over the stacked L axis -> final norm (the training forward). Returns h [B,T,D] fp32.
-  unroll: the scan fully unrolled (same ops, same results; compile time grows with L), see forward_hidden."""
+  """The training forward: embed, a scan (or unrolled loop) of _block over the L axis, final norm -> h [B,T,D]."""
   x = _embed(params, tokens)
   cos, sin = _rope_tables(cfg, positions)
 
@@ -506,41 +418,35 @@ def _run(params, cfg, tokens, positions, attn_fn, remat=False, unroll=False):
 
 
 def unstack_layers(params):
-  """params with "layers" as a list of L per-layer dicts (one copy of the layer weights) instead of [L,...]
-  arrays: what the cached decode path reads without slicing (see the KV cache note above)."""
+  """params with "layers" as a list of L per-layer dicts instead of stacked [L,...] arrays: what rollout.Engine
+  decodes from on CPU, where slicing stacked weights (for the Python layer loop of prefill and decode) copies."""
   if isinstance(params["layers"], list):
     return params
   n = jax.tree.leaves(params["layers"])[0].shape[0]
-  return dict(params, layers=[_layer(params["layers"], i) for i in range(n)])
-
-
-def _layer(layers, i):
-  """Layer i's weights from a per-layer list (unstack_layers) or from the stacked [L,...] arrays (static slices)."""
-  return layers[i] if isinstance(layers, list) else jax.tree.map(lambda a: a[i], layers)
+  return dict(params, layers=[jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(n)])
 
 
 def _run_cached(params, cfg, tokens, positions, attn_fn, lengths):
-  """Embed -> the L layers as a Python loop -> final norm, for prefill and decode: attn_fn(q, k, v, i) gets the
-  layer index i and returns (o, (layer i's new k buffer, v buffer)). Returns (h [B,T,D] fp32, the cache of those
-  buffers with `lengths`)."""
+  """Prefill's and decode's forward: embed, the L layers as a Python loop, final norm. attn_fn(q, k, v, i) returns
+  (o, (layer i's new k buffer, v buffer)). Returns (h [B,T,D] fp32, the cache of those buffers and `lengths`)."""
   x = _embed(params, tokens)
   cos, sin = _rope_tables(cfg, positions)
-  ks, vs = [], []
-  for i in range(cfg.n_layers):
-    x, (k, v) = _block(x, _layer(params["layers"], i), cfg, cos, sin, attn_fn, i)
-    ks.append(k)
-    vs.append(v)
-  return _rms_norm(x, params["final_norm"], cfg.rms_norm_eps), _constrain_cache({"k": ks, "v": vs, "lengths": lengths})
+  layers, bufs = params["layers"], []
+  for i in range(cfg.n_layers):  # static slices of stacked weights, or unstack_layers' list
+    lp = layers[i] if isinstance(layers, list) else jax.tree.map(lambda a: a[i], layers)
+    x, kv = _block(x, lp, cfg, cos, sin, attn_fn, i)
+    bufs.append(kv)
+  axes = cache_axes()
+  cache = {n: [_constrain(kv[j], axes[n]) for kv in bufs] for j, n in enumerate(("k", "v"))}
+  return _rms_norm(x, params["final_norm"], cfg.rms_norm_eps), dict(cache, lengths=_constrain(lengths, axes["lengths"]))
 
 
 def logits_from_hidden(params, cfg, h):
   """h [..., D] (final normed hidden) -> fp32 logits [..., V]; lets a loss compute log-probs in chunks."""
-  # The tied head goes through _proj too (embed.T folds into the dot): its weight gradient is then h^T @ dlogits,
-  # transposed back as a small [D,V]; autodiff's einsum transposed the [B*T,V] dlogits (31 ms of bench_train's step).
+  # The tied head goes through _proj too (embed.T folds into the dot), so its weight gradient is h^T @ dlogits
+  # and not a transposed copy of the [B*T,V] dlogits.
   logits = _dot("...d,dv->...v", h, params["embed"].T if cfg.tie_embeddings else params["lm_head"])
-  if logits.ndim == 3:
-    logits = _constrain(logits, ("batch", "seq", "vocab"))
-  return logits
+  return _constrain(logits, ("batch", "seq", "vocab")) if logits.ndim == 3 else logits
 
 
 def _check_tokens(tokens, ndim, what):
@@ -549,9 +455,8 @@ def _check_tokens(tokens, ndim, what):
 
 
 def forward_hidden(params, cfg, tokens, positions=None, segment_ids=None, *, attn_impl="auto", remat=False):
-  """Training forward to the final normed hidden [B,T,D] fp32.
-  positions [B,T] (default arange(T)) drive RoPE; segment_ids [B,T] (default all ones): packed sequences
-  attend only within their segment (causal by index). For packing, restart positions at each segment."""
+  """Training forward to the final normed hidden [B,T,D] fp32. positions [B,T] (default arange(T)) drive RoPE;
+  packed sequences (segment_ids [B,T], default one) attend within their segment; restart positions at each."""
   _check_tokens(tokens, 2, "forward")
   B, T = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions is None else positions
@@ -561,14 +466,13 @@ def forward_hidden(params, cfg, tokens, positions=None, segment_ids=None, *, att
   def attn(q, k, v, _):
     return pallas_kernels.attention(q, k, v, segment_ids, causal=True, impl=attn_impl), None
 
-  # On XLA CPU the layer loop copies each layer's weight slices, stacks the residuals for the backward and zero-fills
-  # the stacks every step; unrolled, those are static slices and plain buffers: bench_train's step -6% (RESULTS.md).
-  # On TPU the scan's slices fuse into the matmuls and one loop body keeps compile time flat in depth, so scan there.
+  # Unrolled on XLA CPU, where the loop copies each layer's weight slices and stacks the residuals for the
+  # backward; on TPU the scan's slices fuse into the matmuls and one loop body keeps compile time flat in depth.
   return _run(params, cfg, tokens, positions, attn, remat=remat, unroll=jax.default_backend() == "cpu")
 
 
 def forward(params, cfg, tokens, positions=None, segment_ids=None, *, attn_impl="auto", remat=False):
-  """Training forward: tokens [B,T] -> logits [B,T,V] fp32 (see forward_hidden for the arguments)."""
+  """Training forward: tokens [B,T] -> logits [B,T,V] fp32 (arguments: forward_hidden)."""
   h = forward_hidden(params, cfg, tokens, positions, segment_ids, attn_impl=attn_impl, remat=remat)
   return logits_from_hidden(params, cfg, h)
 
@@ -582,16 +486,9 @@ def init_cache(cfg, batch, max_len, dtype=jnp.float32):
           "v": [jnp.zeros((B, K, S, H), dtype) for _ in range(cfg.n_layers)], "lengths": jnp.zeros((B,), jnp.int32)}
 
 
-def _constrain_cache(cache):
-  axes = cache_axes()
-  return {n: [_constrain(a, axes[n]) for a in x] if isinstance(x, list) else _constrain(x, axes[n])
-          for n, x in cache.items()}
-
-
 def prefill(params, cfg, tokens, lengths, cache, *, attn_impl="auto"):
-  """Prompts tokens [B,T] (right-padded; row b is valid on [0, lengths[b]), lengths >= 1) into an empty cache.
-  Writes cache positions [0, lengths[b]) and sets cache lengths; returns fp32 logits of each row's last
-  prompt token [B,V] and the cache. T must be <= the cache length S."""
+  """Right-padded prompts tokens [B,T] (row b valid on [0, lengths[b]), lengths >= 1, T <= S) into an empty cache:
+  returns (fp32 logits of each row's last prompt token [B,V], the cache with [0, lengths[b]) and lengths set)."""
   _check_tokens(tokens, 2, "prefill")
   B, T = tokens.shape
   if T > cache["v"][0].shape[2] or cache["v"][0].shape[0] != B:
@@ -599,8 +496,7 @@ def prefill(params, cfg, tokens, lengths, cache, *, attn_impl="auto"):
                      "equal, T <= S)")
   lengths = lengths.astype(jnp.int32)
   valid = jnp.arange(T)[None, :] < lengths[:, None]  # [B,T]
-  # Padding gets segment 0, so it only attends to padding and never leaks into valid rows.
-  segment_ids = valid.astype(jnp.int32)
+  segment_ids = valid.astype(jnp.int32)  # padding is segment 0: it attends only to padding, never leaks into rows
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
   def write(name, i, new, m):  # new laid out as layer i's buffer `name` -> its positions [0, T), the valid (m) ones
@@ -614,7 +510,7 @@ def prefill(params, cfg, tokens, lengths, cache, *, attn_impl="auto"):
     return o, (kc, vc)
 
   h, filled = _run_cached(params, cfg, tokens, positions, attn, lengths)
-  return logits_from_hidden(params, cfg, h[jnp.arange(B), lengths - 1]), filled  # each row's last prompt token
+  return logits_from_hidden(params, cfg, h[jnp.arange(B), lengths - 1]), filled
 
 
 def decode_step(params, cfg, tokens, cache, *, attn_impl="auto"):
@@ -623,8 +519,7 @@ def decode_step(params, cfg, tokens, cache, *, attn_impl="auto"):
   lengths = cache["lengths"]
   rows = jnp.arange(tokens.shape[0])
 
-  def attn(q, k, v, i):
-    # Write the new token into layer i's cache (in place: the caller donates the cache), then attend to it.
+  def attn(q, k, v, i):  # write the new token into layer i's (donated) cache in place, then attend to it
     kc = cache["k"][i].at[cache_at("k", rows, lengths)].set(k[:, 0].astype(cache["k"][i].dtype))  # [b,:,:,len_b]
     vc = cache["v"][i].at[cache_at("v", rows, lengths)].set(v[:, 0].astype(cache["v"][i].dtype))  # [b,:,len_b]
     o = pallas_kernels.decode_attention(q[:, 0], kc, vc, lengths + 1, impl=attn_impl)
@@ -636,25 +531,21 @@ def decode_step(params, cfg, tokens, cache, *, attn_impl="auto"):
 
 # ----------------------------------------------------------------------------------------------------- HF I/O
 
-# our layer param -> (HF name suffix under model.layers.{i}., number of leading "input" dims of ours).
-# HF nn.Linear stores [out, in]; ours is [in..., out...]: ours = W.T.reshape(...), W = ours.reshape(in, out).T.
+# Our param -> (HF name; under model.layers.{i}. for layer params, number of leading "in" dims of ours).
+# HF nn.Linear stores [out, in], ours [in..., out...]: ours = W.T.reshape(...), W = ours.reshape(in, out).T.
 # n_in None: not a Linear weight, flattened (biases [N*H] <-> [N,H], norms); "same": identical layout (embed).
-_HF_LAYER = {
-    "attn_norm": ("input_layernorm.weight", None),
-    "wq": ("self_attn.q_proj.weight", 1), "wk": ("self_attn.k_proj.weight", 1),
-    "wv": ("self_attn.v_proj.weight", 1), "wo": ("self_attn.o_proj.weight", 2),
-    "bq": ("self_attn.q_proj.bias", None), "bk": ("self_attn.k_proj.bias", None),
-    "bv": ("self_attn.v_proj.bias", None),
-    "q_norm": ("self_attn.q_norm.weight", None), "k_norm": ("self_attn.k_norm.weight", None),
-    "mlp_norm": ("post_attention_layernorm.weight", None),
-    "w_gate": ("mlp.gate_proj.weight", 1), "w_up": ("mlp.up_proj.weight", 1), "w_down": ("mlp.down_proj.weight", 1),
-}
+_HF_LAYER = {"attn_norm": ("input_layernorm.weight", None), "mlp_norm": ("post_attention_layernorm.weight", None),
+             **{f"w{p}": (f"self_attn.{p}_proj.weight", 2 if p == "o" else 1) for p in "qkvo"},
+             **{f"b{p}": (f"self_attn.{p}_proj.bias", None) for p in "qkv"},
+             **{f"{p}_norm": (f"self_attn.{p}_norm.weight", None) for p in "qk"},
+             **{f"w_{p}": (f"mlp.{p}_proj.weight", 1) for p in ("gate", "up", "down")}}
 _HF_TOP = {"embed": ("model.embed_tokens.weight", "same"), "final_norm": ("model.norm.weight", None),
            "lm_head": ("lm_head.weight", 1)}
+_HF_DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16)}
 
 
 def _hf_names(cfg):
-  """Yields (our path, layer index or None, HF tensor name, n_in, our per-layer shape)."""
+  """Yields (our path, layer index or None, HF tensor name, n_in, our per-layer shape), in HF order."""
   axes = param_axes(cfg)
   for name, (shape, _) in ((n, a) for n, a in axes.items() if n != "layers"):
     yield (name,), None, _HF_TOP[name][0], _HF_TOP[name][1], shape
@@ -665,15 +556,9 @@ def _hf_names(cfg):
 
 
 def _hf_shape(n_in, shape):
-  if n_in == "same":
-    return tuple(shape)
-  if n_in is None:
-    return (math.prod(shape),)
+  if n_in in (None, "same"):
+    return tuple(shape) if n_in == "same" else (math.prod(shape),)
   return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))  # torch Linear [out, in]
-
-
-def _to_ours(w, n_in, shape):
-  return w.reshape(shape) if n_in in (None, "same") else np.ascontiguousarray(w.T).reshape(shape)
 
 
 def _to_hf(w, n_in):
@@ -683,16 +568,14 @@ def _to_hf(w, n_in):
 
 def _np_dtype(dtype):
   d = jnp.dtype(dtype)
-  if d not in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)):
+  if d not in _HF_DTYPES.values():
     raise ValueError(f"dtype must be float32, bfloat16 or float16, got {d}")
   return d
 
 
-def load_hf_checkpoint(path, dtype=None, *, mesh=None):
-  """Reads an HF checkpoint directory (config.json + model.safetensors or shards with an index.json).
-  dtype: None keeps the stored dtype (of the embedding; all params share one dtype), else casts.
-  mesh: when given, each param is placed directly with its sharding (never whole on one device).
-  Returns (cfg, params). ValueError names the file and tensor on a missing/unexpected/mis-shaped tensor."""
+def load_hf_checkpoint(path, dtype=None):
+  """(cfg, params) of an HF checkpoint directory (config.json + model.safetensors or index.json shards); dtype None
+  keeps the embedding's. ValueError names the file and tensor that is missing, unexpected, mis-shaped or bad."""
   from safetensors import safe_open  # numpy API; bf16 arrives as ml_dtypes.bfloat16
   cfg = Config.from_hf(path)
   index_fn = os.path.join(path, "model.safetensors.index.json")
@@ -721,13 +604,12 @@ def load_hf_checkpoint(path, dtype=None, *, mesh=None):
       if "model.embed_tokens.weight" not in where:
         raise ValueError(f"{path}: missing tensor 'model.embed_tokens.weight'")
       dtype = handles[where["model.embed_tokens.weight"]].get_slice("model.embed_tokens.weight").get_dtype()
-      dtype = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}.get(dtype, dtype)
+      dtype = _HF_DTYPES.get(dtype, dtype)
     dtype = _np_dtype(dtype)
 
     axes = param_axes(cfg)
     out = {n: None for n in axes if n != "layers"}
     out["layers"] = {n: np.empty(s, dtype) for n, (s, _) in axes["layers"].items()}
-    seen = set()
     for key, layer, hf_name, n_in, shape in _hf_names(cfg):
       if hf_name not in where:
         raise ValueError(f"{path}: missing tensor {hf_name!r} (config {cfg.arch}, tie={cfg.tie_embeddings})")
@@ -739,75 +621,45 @@ def load_hf_checkpoint(path, dtype=None, *, mesh=None):
       if not np.isfinite(w).all():  # a NaN/inf weight would silently poison every step and rollout
         raise ValueError(f"{where[hf_name]}: tensor {hf_name!r} has non-finite values "
                          f"({int((~np.isfinite(w)).sum())} of {w.size})")
-      want = _hf_shape(n_in, shape)
-      if w.shape != want:
-        raise ValueError(f"{where[hf_name]}: tensor {hf_name!r} has shape {w.shape}, config implies {want}")
-      w = _to_ours(w.astype(dtype), n_in, shape)
+      if w.shape != _hf_shape(n_in, shape):
+        raise ValueError(f"{where[hf_name]}: tensor {hf_name!r} has shape {w.shape}, config implies "
+                         f"{_hf_shape(n_in, shape)}")
+      w = w.astype(dtype)
+      w = w.reshape(shape) if n_in in (None, "same") else np.ascontiguousarray(w.T).reshape(shape)
       if layer is None:
         out[key[0]] = w
       else:
         out["layers"][key[1]][layer] = w
-      seen.add(hf_name)
     # Derived buffers we recompute, and a redundant lm_head in tied checkpoints, are fine to skip.
+    seen = {e[2] for e in _hf_names(cfg)}
     extra = [n for n in where if n not in seen and not n.endswith("rotary_emb.inv_freq")
              and not (cfg.tie_embeddings and n == "lm_head.weight")]
     if extra:
       raise ValueError(f"{where[extra[0]]}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in total)")
   finally:
     handles.clear()
-  return cfg, (jax.tree.map(jnp.asarray, out) if mesh is None else shard_params(out, cfg, mesh))
+  return cfg, jax.tree.map(jnp.asarray, out)
 
 
-def save_hf_checkpoint(path, cfg, params, dtype=None, *, max_shard_bytes=4 << 30):
-  """Writes config.json + model.safetensors (or model-0000i-of-0000n.safetensors + index.json when larger than
-  max_shard_bytes) that transformers' AutoModelForCausalLM.from_pretrained loads unchanged. dtype: None keeps the
-  params' dtype. Params must be fully addressable from this process (single host or gathered first)."""
-  from safetensors.numpy import save_file
-  dtype = _np_dtype(params["embed"].dtype if dtype is None else dtype)
-  want = jax.tree.map(lambda sa: sa[0], param_axes(cfg), is_leaf=_is_leaf)
-  got = jax.tree.map(lambda a: tuple(a.shape), params)
-  if got != want:
-    raise ValueError(f"save_hf_checkpoint: params do not match cfg: shapes {got} vs expected {want}")
-  os.makedirs(path, exist_ok=True)
-  host = jax.tree.map(lambda a: np.asarray(jax.device_get(a)).astype(dtype), params)
-  tensors = [(hf_name, _to_hf(host[key[0]] if layer is None else host["layers"][key[1]][layer], n_in))
-             for key, layer, hf_name, n_in, _ in _hf_names(cfg)]  # in HF order
-  shards, cur, cur_bytes = [], [], 0
-  for name, w in tensors:
-    if cur and cur_bytes + w.nbytes > max_shard_bytes:
-      shards.append(cur)
-      cur, cur_bytes = [], 0
-    cur.append((name, w))
-    cur_bytes += w.nbytes
-  shards.append(cur)
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(cfg.to_hf_dict(dtype=dtype), f, indent=2)
-  if len(shards) == 1:
-    save_file(dict(shards[0]), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    return
-  weight_map = {}
-  for i, shard in enumerate(shards):
-    fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-    save_file(dict(shard), os.path.join(path, fn), metadata={"format": "pt"})
-    weight_map.update({name: fn for name, _ in shard})
-  index = {"metadata": {"total_size": sum(w.nbytes for _, w in tensors)}, "weight_map": weight_map}
-  with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-    json.dump(index, f, indent=2)
+def save_hf_checkpoint(path, cfg, params, dtype=None):
+  """save_hf_checkpoint_streamed of params (fully addressable from this process); dtype None: the params'."""
+  leaf = lambda key: np.asarray(jax.device_get(params[key[0]] if len(key) == 1 else params["layers"][key[1]]))
+  save_hf_checkpoint_streamed(path, cfg, leaf, params["embed"].dtype if dtype is None else dtype)
 
 
 def save_hf_checkpoint_streamed(path, cfg, get_leaf, dtype, write=True):
-  """Writes config.json + one model.safetensors holding at most one of our (layer-stacked) tensors in host
-  memory at a time: get_leaf(("layers", "wq")) returns that tensor as numpy (e.g. gathered from a sharded
-  trainer). The safetensors header is known from the shapes alone, so it is written first and the bytes
-  stream after it. write=False only calls get_leaf (the other processes of a collective gather)."""
+  """Writes config.json + one model.safetensors (HF Linear weights [out,in]; transformers loads it) holding one of
+  our tensors in host memory at a time: get_leaf(("layers", "wq")) returns it as numpy (e.g. gathered from a
+  sharded trainer). The header follows from the shapes, so it is written first and the bytes stream after it.
+  write=False only calls get_leaf (the other processes of a collective gather)."""
   dtype = _np_dtype(dtype)
   names = list(_hf_names(cfg))  # the HF tensors of each of our tensors come together
   header, off = {}, 0
   for _, _, hf_name, n_in, shape in names:
     hf_shape = _hf_shape(n_in, shape)
     n = math.prod(hf_shape) * dtype.itemsize
-    header[hf_name] = {"dtype": {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype.name],
-                       "shape": list(hf_shape), "data_offsets": [off, off + n]}
+    header[hf_name] = {"dtype": {v: k for k, v in _HF_DTYPES.items()}[dtype], "shape": list(hf_shape),
+                       "data_offsets": [off, off + n]}
     off += n
   f = None
   if write:

@@ -21,10 +21,11 @@ all are equal).  Without --checkpoint a random-init Qwen2-style checkpoint of th
 
 Needs torch and transformers (in requirements-dev.txt; the rest of the repo does not).
 
-  python bench_decode.py                                   # defaults: B=8, P=64, N=64, D=384, L=4, V=2048
-  python bench_decode.py --checkpoint=runs/local/base --batch=16 --new_tokens=32 --json=decode.json
-  python bench_decode.py --quick                           # tiny smoke run (tests/test_bench.py)
-  python bench_decode.py --preset=all --hf_threads=1,2      # issue 17's three shapes (demo, big, long), a table
+Run from the repo root:
+  python -m bench.decode                                   # defaults: B=8, P=64, N=64, D=384, L=4, V=2048
+  python -m bench.decode --checkpoint=runs/local/base --batch=16 --new_tokens=32 --json=decode.json
+  python -m bench.decode --quick                           # tiny smoke run (tests/test_bench.py)
+  python -m bench.decode --preset=all --hf_threads=1,2     # issue 17's three shapes (demo, big, long), a table
 
 Roofline: after the timed rounds the script measures this machine's copy bandwidth (numpy copy and a jitted
 elementwise op, the faster) and fp32 matmul peak (2048^3), and prints the limit for one decode step at the
@@ -43,22 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 import common
 import model
 import rollout
-
-
-# Model-shape flags of both benchmarks (bench_train.py imports these): name -> (help, unit).
-SHAPE_FLAGS = dict(d_model=("model width D", "units"), n_layers=("layers L", "count"),
-                   n_heads=("query heads N", "count"), n_kv_heads=("kv heads K", "count"),
-                   ffw_dim=("MLP width F", "units"), vocab=("vocab V", "tokens"))
-QUICK_SHAPE = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffw_dim=128, vocab=256)  # --quick, for tests
-
-
-def add_shape_flags(p, defaults, suffix=""):
-  for name, (what, unit) in SHAPE_FLAGS.items():
-    p.add_argument(f"--{name}", type=int, default=defaults[name], help=f"{what} ({unit}){suffix}")
+from bench.util import QUICK_SHAPE, add_shape_flags, best_time, matmul_flops_per_s, random_params
 
 
 # --preset: the three shapes issue 17 measures (model and generation shape: a preset overrides those flags).
@@ -112,12 +101,6 @@ def parse_args(argv=None):
   return a
 
 
-def random_params(cfg, seed):
-  """model.init_params drawn with numpy (no jax.random compile); biases N(0, 0.02) too (the QKV-bias path)."""
-  rng = np.random.default_rng(seed)
-  return model.init_params(cfg, None, normal=lambda shape: rng.standard_normal(shape, np.float32), zero_bias=False)
-
-
 def make_checkpoint(a, path):
   """Random-init Qwen2-style model (QKV bias, tied embeddings) saved as an HF checkpoint dir; returns path."""
   cfg = model.Config(vocab_size=a.vocab, d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads,
@@ -131,7 +114,6 @@ def make_checkpoint(a, path):
 def memory_bandwidth(nbytes=256 << 20, reps=5):
   """Best measured bytes/s (read + written) of copying nbytes: numpy's copy (one thread) and a jitted
   elementwise op (XLA's threads); the larger. The bound a decode step's weight and KV-cache reads meet."""
-  from bench_train import best_time  # here, not at the top: bench_train imports this module
   a = np.ones(nbytes // 4, np.float32)
   b = np.empty_like(a)
   t_np = best_time(np.copyto, (b, a), reps)[0]
@@ -243,9 +225,8 @@ def main(argv=None):
       greedy_match=bool(equal.all()), greedy_match_fraction=float(equal.mean()))
 
   # The machine's limit for this shape, measured now (after the timed rounds, under the same load).
-  import bench_train  # here, not at the top: bench_train imports this module
   bw = memory_bandwidth()
-  peak = bench_train.matmul_flops_per_s(2048, 2048, 2048, 3, a.seed)
+  peak = matmul_flops_per_s(2048, 2048, 2048, 3, a.seed)
   limit_s, binds = decode_roofline(cfg, n_params, B, P, N, bw, peak)
   step_s = o["decode_s_best"] / N
   res["roofline"] = dict(bytes_per_s=bw, matmul_flops_per_s=peak, limit_step_s=limit_s, binds=binds,

@@ -1,7 +1,7 @@
 """Attention micro-benchmark on the current backend: the jnp reference, and the Pallas kernels (on TPU natively,
 elsewhere in interpret mode at tiny shapes: not a performance figure).
 
-Run: python -m bench.kernels
+Run from the repo root: python -m bench.kernels
 """
 import time
 
@@ -53,12 +53,14 @@ def _bench_cases(impl, dtype, B, T, N, K, H, S_cache, peak_flops, peak_bw, label
           peak_flops, peak_bw)
   grad = jax.grad(lambda q, k: jnp.sum(fwd(q, k).astype(jnp.float32)), argnums=(0, 1))
   _report(f"{label} attention fwd+bwd", _time(grad, q, k), 3 * fwd_flops, 3 * qkvo_bytes, peak_flops, peak_bw)
-  # Ragged decode: lengths uniform in [1, S]; traffic counted for the valid cache rows only.
-  cache = jax.random.normal(kk, (B, K, S_cache, H), dtype)
+  # Ragged decode: lengths uniform in [1, S]; traffic counted for the valid cache rows only. The cache layout is
+  # model.py's: keys [B,K,H,S], values [B,K,S,H] (here the same numbers, transposed).
+  v_cache = jax.random.normal(kk, (B, K, S_cache, H), dtype)
+  k_cache = v_cache.swapaxes(2, 3)
   lengths = jax.random.randint(kl, (B,), 1, S_cache + 1)
   total = int(lengths.sum())
-  dec = lambda q, c, lengths: decode_attention(q, c, c, lengths, impl=impl)
-  _report(f"{label} decode B={B} S={S_cache} sum(len)={total}", _time(dec, q[:, 0], cache, lengths),
+  dec = lambda q, kc, vc, lengths: decode_attention(q, kc, vc, lengths, impl=impl)
+  _report(f"{label} decode B={B} S={S_cache} sum(len)={total}", _time(dec, q[:, 0], k_cache, v_cache, lengths),
           4 * total * N * H, (2 * total * K * H + 2 * B * N * H) * item, peak_flops, peak_bw)
 
 

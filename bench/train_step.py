@@ -16,22 +16,22 @@ Model FLOPs per step (the MFU convention of PaLM, arXiv 2204.02311, App. B: matm
   sequence forward   f = 2 * (L * (D*N*H + 2*D*K*H + N*H*D + 3*D*F) + D*V) * T + 4 * L * N*H * P
                      (QKV/O and SwiGLU projections, the lm head, and QK^T plus PV over the P (query, key) pairs
                      the jnp attention computes on CPU: masked query blocks that skip the keys above the
-                     diagonal, kernels.causal_blocks; P = 3/4 T^2 at T=128, T^2 below 128)
+                     diagonal, pallas_kernels.flash.causal_blocks; P = 3/4 T^2 at T=128, T^2 below 128)
   step               B * (3 * f  [forward + 2x backward]  + f if kl_coef > 0  [reference forward])
 achieved FLOP/s = model FLOPs / best step time; fraction = achieved / measured peak.  Also tokens/s (B*T / s).
   torch  the same step in PyTorch eager (torch_reference: transformers' Qwen2 on the same weights, reference
          forward, PPO-clip + k3 KL, seq-mean-token-mean, clip 1.0, AdamW) at each --torch_threads count, timed
          after ours; speed_vs_torch = its best time / ours (> 1: ours faster). Needs requirements-dev.txt.
   faults minor page faults per timed step, each side. The process runs with common.tune_malloc() as train.py does
-         (--host_malloc=default: glibc's own settings, for both sides; the A/B of hostmem.py).
+         (--host_malloc=default: glibc's own settings, for both sides; the A/B of common.tune_malloc).
 
-  python bench_train.py                                  # defaults: D=256, L=4, V=2048, B=16, T=128
-  python bench_train.py --batch=32 --seq_len=256 --json=train.json
-  python bench_train.py --host_malloc=default          # the same without common.tune_malloc() (its A/B)
-  python bench_train.py --quick                          # tiny smoke run (tests/test_bench.py)
-  python bench_train.py --exact_ab=3 [--param_dtype=bfloat16]   # what exact mode (--exact_logprobs) costs, A/B
-  python bench_train.py --d_model=512 --n_layers=8 --vocab=32000 --batch=2 --group_size=2 --memory_seq_lens=1024,4096,8192
-                                                         # memory per token: plain / --remat / --logprob_chunk
+Run from the repo root:
+  python -m bench.train_step                             # defaults: D=256, L=4, V=2048, B=16, T=128
+  python -m bench.train_step --batch=32 --seq_len=256 --json=train.json
+  python -m bench.train_step --host_malloc=default       # the same without common.tune_malloc() (its A/B)
+  python -m bench.train_step --quick                     # tiny smoke run (tests/test_bench.py)
+  python -m bench.train_step --d_model=512 --n_layers=8 --vocab=32000 --batch=2 --group_size=2 \
+      --memory_seq_lens=1024,4096,8192                   # memory per token: plain / --remat / --logprob_chunk
 """
 import argparse
 import dataclasses
@@ -40,7 +40,6 @@ import math
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
@@ -51,12 +50,11 @@ import numpy as np
 
 import common
 import data
-
-import pallas_kernels as kernels
 import losses
 import model
 import train
-from bench import decode as bench_decode  # random_params, the shape flags
+from bench.util import QUICK_SHAPE, add_shape_flags, matmul_flops_per_s, random_params
+from pallas_kernels.flash import causal_blocks
 
 
 def parse_args(argv=None):
@@ -64,7 +62,7 @@ def parse_args(argv=None):
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--matmul_n", type=int, default=2048, help="peak matmul size n (units) of [n,n] x [n,n] fp32")
   p.add_argument("--matmul_reps", type=int, default=5, help="timed peak matmuls, best is kept (count)")
-  bench_decode.add_shape_flags(p, dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffw_dim=1024, vocab=2048))
+  add_shape_flags(p, dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffw_dim=1024, vocab=2048))
   p.add_argument("--batch", type=int, default=16, help="sequences per step B (sequences)")
   p.add_argument("--seq_len", type=int, default=128, help="tokens per sequence T (tokens; half prompt, half "
                  "completion)")
@@ -87,16 +85,12 @@ def parse_args(argv=None):
                  "--quick keeps glibc's: it runs inside pytest, whose process stays untuned (tests/conftest.py)")
   p.add_argument("--param_dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype of the "
                  "step (train.py's --param_dtype; master weights stay fp32)")
-  p.add_argument("--exact_logprobs", action="store_true", help="exact mode (kernels.py), as train.py "
-                 "--exact_logprobs")
-  p.add_argument("--exact_ab", type=int, default=0, help="rounds (count) of an A/B of exact mode: child runs of "
-                 "this script at --param_dtype, default vs --exact_logprobs alternating, no torch; 0 = off")
   p.add_argument("--quick", action="store_true", help="tiny shapes, 2 steps, kl_coef 0 unless "
                  "--kl_coef, torch at 1 thread unless --torch_threads; for tests (overrides the shape flags)")
   a = p.parse_args(argv)
   if a.quick:
     a.matmul_n, a.matmul_reps, a.steps, a.host_malloc = 256, 2, 2, "default"
-    vars(a).update(bench_decode.QUICK_SHAPE)
+    vars(a).update(QUICK_SHAPE)
     a.batch, a.seq_len, a.group_size = 4, 32, 2
     a.kl_coef = 0.0 if a.kl_coef is None else a.kl_coef  # no reference forward: a third less to compile
     a.torch_threads = a.torch_threads or "1"
@@ -121,30 +115,11 @@ def parse_args(argv=None):
   return a
 
 
-def best_time(fn, args, reps):
-  """(best, median) seconds of fn(*args) over reps calls, each synced; one untimed warm-up call first."""
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t)
-  return min(ts), statistics.median(ts)
-
-
-def matmul_flops_per_s(m, k, n, reps, seed):
-  """Best fp32 FLOP/s of a jitted [m,k] x [k,n] matmul (2*m*k*n FLOPs)."""
-  kx, ky = jax.random.split(jax.random.PRNGKey(seed))
-  x, y = jax.random.normal(kx, (m, k)), jax.random.normal(ky, (k, n))
-  best, _ = best_time(jax.jit(jnp.matmul), (x, y), reps)
-  return 2 * m * k * n / best
-
-
 def forward_flops_per_sequence(cfg, T):
   """Matmul FLOPs of one T-token sequence's forward (see the module docstring)."""
   D, N, K, H, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffw_dim, cfg.n_layers
   proj = L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F) + D * cfg.vocab_size
-  scores = sum((b - a) * b for a, b in kernels.causal_blocks(T))  # (query, key) pairs the reference computes
+  scores = sum((b - a) * b for a, b in causal_blocks(T))  # (query, key) pairs the reference computes
   return 2 * proj * T + 4 * L * N * H * scores
 
 
@@ -271,44 +246,13 @@ def memory_table(a, cfg, lcfg, optimizer, params, opt_state, ref_params, n_param
 
 
 def minor_faults():
-  """Minor page faults of this process so far (first touches of fresh pages; see hostmem.py)."""
+  """Minor page faults of this process so far (first touches of fresh pages; see common.tune_malloc)."""
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def exact_ab(a, argv):
-  """What exact mode costs in step time: --exact_ab rounds of two child processes (the mode is an XLA flag, fixed
-  when a process's backend starts) at --param_dtype, alternating so that both sides see the same load."""
-  argv = [x for x in argv if not x.startswith(("--exact_ab", "--json", "--torch_threads"))]
-  out, side = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_train_ab_{os.getpid()}.json"), {}
-  for r in range(a.exact_ab):
-    for exact in (False, True):
-      cmd = [sys.executable, "-m", "bench.train_step", *argv, "--torch_threads=0",
-             f"--json={out}"] + (["--exact_logprobs"] if exact else [])
-      subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-      with open(out) as f:
-        side.setdefault(exact, []).append(json.load(f))
-  os.remove(out)
-  res = {}
-  for exact, runs in side.items():
-    best, med = min(x["step_s_best"] for x in runs), statistics.median(x["step_s_median"] for x in runs)
-    res["exact" if exact else "default"] = dict(step_s_best=best, step_s_median=med, runs=runs)
-    print(f"{a.param_dtype} step, {'exact mode  ' if exact else 'default mode'}: best {best * 1e3:.1f} ms, "
-          f"median of run medians {med * 1e3:.1f} ms ({len(runs)} runs)")
-  res["exact_over_default_best"] = res["exact"]["step_s_best"] / res["default"]["step_s_best"]
-  print(f"exact / default (best): {res['exact_over_default_best']:.3f}x")
-  if a.json:
-    with open(a.json, "w") as f:
-      json.dump(res, f, indent=1)
-  return res
 
 
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
   a = parse_args(argv)
-  if a.exact_ab:
-    return exact_ab(a, argv)
-  if a.exact_logprobs:
-    kernels.enable_exact_mode()  # before the first computation
   tuned = a.host_malloc == "tuned" and common.tune_malloc()  # before the first JAX computation, as train.main
   rng = np.random.default_rng(a.seed)
   peak = matmul_flops_per_s(a.matmul_n, a.matmul_n, a.matmul_n, a.matmul_reps, a.seed)
@@ -320,7 +264,7 @@ def main(argv=None):
   shape_peak = matmul_flops_per_s(B * T, cfg.d_model, cfg.ffw_dim, a.matmul_reps, a.seed)
   base = losses.ALGORITHMS[a.algo]
   lcfg = base if a.kl_coef is None else dataclasses.replace(base, kl_coef=a.kl_coef)
-  policy = bench_decode.random_params(cfg, a.seed)
+  policy = random_params(cfg, a.seed)
   policy_host = jax.device_get(policy)  # the PyTorch reference starts from these (ours are donated)
   n_params = sum(x.size for x in jax.tree.leaves(policy))
   params = dict(policy=policy, value=None)
@@ -371,8 +315,7 @@ def main(argv=None):
                   ffw_dim=cfg.ffw_dim, vocab=cfg.vocab_size, n_params=int(n_params), batch=B, seq_len=T,
                   group_size=a.group_size, algo=a.algo, kl_coef=lcfg.kl_coef, steps=a.steps,
                   matmul_n=a.matmul_n, cores=os.cpu_count(), loadavg_1m=os.getloadavg()[0],
-                  param_dtype=a.param_dtype, exact_mode=kernels.exact_mode(),
-                  host_malloc="tuned" if tuned else "default"),
+                  param_dtype=a.param_dtype, host_malloc="tuned" if tuned else "default"),
       peak_matmul_flops_per_s=peak, peak_matmul_flops_per_s_before=peak_before,
       peak_matmul_flops_per_s_after=peak_after, model_shape_matmul_flops_per_s=shape_peak,
       step_flops=step_flops, traced_matmul_flops=traced, step_s_best=best, step_s_median=med, compile_s=compile_s,
@@ -382,8 +325,8 @@ def main(argv=None):
       minor_faults_per_step=faults)
 
   print(f"model D={cfg.d_model} L={cfg.n_layers} N={cfg.n_heads} K={cfg.n_kv_heads} F={cfg.ffw_dim} "
-        f"V={cfg.vocab_size} ({n_params / 1e6:.2f} M params, {a.param_dtype} compute"
-        f"{', exact mode' if kernels.exact_mode() else ''}, tied embeddings); batch {B}x{T} tokens; "
+        f"V={cfg.vocab_size} ({n_params / 1e6:.2f} M params, {a.param_dtype} compute, tied embeddings); "
+        f"batch {B}x{T} tokens; "
         f"{a.algo} kl_coef={lcfg.kl_coef}; cores={os.cpu_count()} (jax {jax.__version__})")
   print(f"peak matmul fp32 {a.matmul_n}^3: {peak / 1e9:8.2f} GFLOP/s (best of before/after the steps: "
         f"{peak_before / 1e9:.2f}, {peak_after / 1e9:.2f})   model-shape matmul "

@@ -1,10 +1,55 @@
-"""What several bench_*.py scripts share: a child JAX process's environment, and starting a server process."""
+"""What several benches share: timing, random weights, the model-shape flags, a child JAX process's environment,
+and starting a server process. Benches run from the repo root as `python -m bench.NAME`."""
 import os
+import statistics
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Model-shape flags of bench.decode and bench.train_step: name -> (help, unit).
+SHAPE_FLAGS = dict(d_model=("model width D", "units"), n_layers=("layers L", "count"),
+                   n_heads=("query heads N", "count"), n_kv_heads=("kv heads K", "count"),
+                   ffw_dim=("MLP width F", "units"), vocab=("vocab V", "tokens"))
+QUICK_SHAPE = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffw_dim=128, vocab=256)  # --quick, for tests
+
+
+def add_shape_flags(p, defaults, suffix=""):
+  for name, (what, unit) in SHAPE_FLAGS.items():
+    p.add_argument(f"--{name}", type=int, default=defaults[name], help=f"{what} ({unit}){suffix}")
+
+
+# JAX, numpy and model are imported where used: the server benches import this module and never start JAX.
+
+def best_time(fn, args, reps):
+  """(best, median) seconds of fn(*args) over reps calls, each synced; one untimed warm-up call first."""
+  import jax
+  jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t)
+  return min(ts), statistics.median(ts)
+
+
+def matmul_flops_per_s(m, k, n, reps, seed):
+  """Best fp32 FLOP/s of a jitted [m,k] x [k,n] matmul (2*m*k*n FLOPs)."""
+  import jax
+  import jax.numpy as jnp
+  kx, ky = jax.random.split(jax.random.PRNGKey(seed))
+  x, y = jax.random.normal(kx, (m, k)), jax.random.normal(ky, (k, n))
+  best, _ = best_time(jax.jit(jnp.matmul), (x, y), reps)
+  return 2 * m * k * n / best
+
+
+def random_params(cfg, seed):
+  """model.init_params drawn with numpy (no jax.random compile); biases N(0, 0.02) too (the QKV-bias path)."""
+  import numpy as np
+  import model
+  rng = np.random.default_rng(seed)
+  return model.init_params(cfg, None, normal=lambda shape: rng.standard_normal(shape, np.float32), zero_bias=False)
 
 
 def child_env():

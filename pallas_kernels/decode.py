@@ -1,18 +1,13 @@
 """Ragged decode attention for TPU (Pallas) and the jnp reference it is tested against.
 
   decode_attention_reference / ragged_decode_attention(q [B,N,H], k_cache [B,K,H,S], v_cache [B,K,S,H],
-      lengths [B] int32) -> [B,N,H]: one query per sequence against cache entries [0, lengths[b]) (the new
-      token's k/v already written). lengths are clipped to [0, S]; callers pass lengths >= 1.
+      lengths [B] int32) -> [B,N,H]: one query per row against cache entries [0, lengths[b]) (the new token's k/v
+      already written), scale H^-1/2. lengths are clipped to [0, S]; callers pass lengths >= 1.
 
-Design: grid (B, S / block_s) with the lengths scalar-prefetched into SMEM. The K/V index map clamps the block
-index to the last valid block of each row, so blocks past lengths[b] are never fetched (re-using a block index
-skips the DMA) and their compute is skipped: HBM traffic is proportional to sum(lengths), not B*S. The kernel
-reads model.py's cache layout as is (keys [B,K,H,S], values [B,K,S,H]): a [K, H, block_s] key tile and a
-[K, block_s, H] value tile, looping over the K heads in VMEM; both products are plain matmuls. block_s is a
-multiple of 128 (the key tile's lane dim) unless it covers the whole cache; a partial last block is masked,
-not padded (padding would copy the cache).
-
-Run: python -m pytest -q tests/test_kernels.py   (interpret mode on CPU)
+The kernel: grid (B, S / block_s), lengths scalar-prefetched; the K/V index map clamps each row's block index to
+its last valid block, so blocks past lengths[b] are neither DMA'd nor computed (traffic ~ sum(lengths), not B*S).
+It reads model.py's cache layout as is, [K,H,block_s] key and [K,block_s,H] value tiles (both products plain
+matmuls). A partial last block is masked, not padded (padding would copy the cache).
 """
 import functools
 
@@ -25,15 +20,12 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.flash import NEG_INF, _check_block, _softmax_init, _softmax_step
 
 
-def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale=None):
+def decode_attention_reference(q, k_cache, v_cache, lengths):
   B, N, H = q.shape
   K, S = v_cache.shape[1], v_cache.shape[2]
-  sm_scale = H ** -0.5 if sm_scale is None else sm_scale
-  # Keys [B,K,H,S], values [B,K,S,H]: (b, k) are the batch dims of both products and each is a plain matmul on
-  # the buffers as stored ([B,S,K,H] needed a transposed copy of the whole cache per layer and step; keys [S,H]
-  # made XLA CPU's q x k^T 2-3x slower; RESULTS.md, bench_decode).
+  # (b, k) lead: both products are plain batched matmuls on the buffers as stored (model.py's KV cache note).
   qg = q.reshape(B, K, N // K, H)
-  s = jnp.einsum("bkgh,bkhs->bkgs", qg, k_cache, preferred_element_type=jnp.float32) * sm_scale
+  s = jnp.einsum("bkgh,bkhs->bkgs", qg, k_cache, preferred_element_type=jnp.float32) * H ** -0.5
   valid = jnp.arange(S)[None, :] < lengths[:, None]  # [B,S]
   s = jnp.where(valid[:, None, None], s, NEG_INF)
   p = jax.nn.softmax(s, axis=-1)
@@ -53,11 +45,10 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_sc
     valid_col = j * bs + lax.broadcasted_iota(jnp.int32, (bs, 1), 0) < length  # [bs,1] over V rows
     for h in range(K):  # static loop over the kv heads of this row's tile
       k = k_ref[h]  # [H,bs]
-      # Rows past the length may be stale or (partial last block) unspecified memory: zero V so that
-      # 0 * garbage cannot leak a NaN into the sum.
+      # Rows past the length may be stale or unspecified (partial last block): zero V, so no 0 * NaN leaks in.
       v = jnp.where(valid_col, v_ref[h], 0)
       s = jnp.dot(q_ref[h], k, preferred_element_type=jnp.float32)  # [G,H] x [H,bs]
-      s = jnp.where(valid_row, s * sm_scale, NEG_INF)  # [G,bs]; stale columns past the length never selected
+      s = jnp.where(valid_row, s * sm_scale, NEG_INF)  # [G,bs]
       pv = lambda p: jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # noqa: E731
       m_scr[h], l_scr[h], acc_scr[h] = _softmax_step(s, m_scr[h], l_scr[h], acc_scr[h], pv)
 
@@ -78,13 +69,12 @@ def _check_decode_args(q, k_cache, v_cache, lengths):
     raise ValueError(f"decode_attention: lengths must be [B]={(B,)}, got {lengths.shape}")
 
 
-def ragged_decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, block_s=256):
+def ragged_decode_attention(q, k_cache, v_cache, lengths, *, block_s=256):
   """Pallas decode attention on one device's arrays; same contract as decode_attention_reference."""
   _check_decode_args(q, k_cache, v_cache, lengths)
   _check_block("block_s", block_s, 128)  # the lane dim of the [H, block_s] key tile
   B, N, H = q.shape
   _, K, S, _ = v_cache.shape
-  sm_scale = H ** -0.5 if sm_scale is None else float(sm_scale)
   G = N // K
   bs = min(block_s, S)  # a block equal to the full dim is always a legal TPU block
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
@@ -96,10 +86,9 @@ def ragged_decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, bloc
   k_spec = pl.BlockSpec((None, K, H, bs), lambda b, j, lengths_ref: (b, 0, 0, last(b, j, lengths_ref)))
   v_spec = pl.BlockSpec((None, K, bs, H), lambda b, j, lengths_ref: (b, 0, last(b, j, lengths_ref), 0))
   o = pl.pallas_call(
-      functools.partial(_decode_kernel, sm_scale=sm_scale, bs=bs),
+      functools.partial(_decode_kernel, sm_scale=H ** -0.5, bs=bs),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1, grid=(B, pl.cdiv(S, bs)), in_specs=[qo_spec, k_spec, v_spec],
-          out_specs=qo_spec,
+          num_scalar_prefetch=1, grid=(B, pl.cdiv(S, bs)), in_specs=[qo_spec, k_spec, v_spec], out_specs=qo_spec,
           scratch_shapes=[pltpu.VMEM((K, G, 1), jnp.float32), pltpu.VMEM((K, G, 1), jnp.float32),
                           pltpu.VMEM((K, G, H), jnp.float32)]),
       out_shape=jax.ShapeDtypeStruct((B, K, G, H), q.dtype),

@@ -1,4 +1,5 @@
-"""bench_decode.py and bench_train.py run end to end (--quick) and report sane, self-consistent figures."""
+"""bench.decode and bench.train_step run end to end (--quick) and report sane, self-consistent figures; the small
+benches run at tiny shapes."""
 import dataclasses
 import json
 import math
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 
 from bench import decode as bench_decode
+from bench import kernels as bench_kernels
+from bench import logprobs as bench_logprobs
 from bench import train_step as bench_train
 import losses
 import model
@@ -73,7 +76,7 @@ def test_train_flops_count_the_reference_forward():
   opt = train.make_optimizer(1e-4, 5, 100, 0.0, 1.0)
   loss_fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0,  # noqa: E731
                                           compute_dtype=jnp.float32, attn_impl="auto", value_coef=0.5)
-  for a.seq_len in (32, 320):  # one attention block; 4 causal query blocks (kernels.causal_blocks)
+  for a.seq_len in (32, 320):  # one attention block; 4 causal query blocks (pallas_kernels.flash.causal_blocks)
     batch, _, _ = train.rl_batch(bench_train.synthetic_groups(a, np.random.default_rng(0)), lcfg, 0,
                                  (a.seq_len,), a.seq_len // 2)
     jaxpr = jax.make_jaxpr(train.make_train_step(opt, loss_fn, 1))(
@@ -94,3 +97,13 @@ def test_bad_flags_are_rejected(mod, argv, capsys):
   with pytest.raises(SystemExit):
     mod.parse_args(argv)
   assert argv[-1].split("=")[0] in capsys.readouterr().err  # the message names the offending flag
+
+
+def test_logprob_memory_report_runs():
+  rows = dict(bench_logprobs.memory_report(B=1, T=16, V=256, D=16, chunk=8))
+  assert len(rows) == 6 and all(b >= 0 for b in rows.values())
+
+
+def test_kernel_bench_reference_cases_run(capsys):
+  bench_kernels._bench_cases("ref", jnp.float32, 1, 16, 2, 1, 8, 32, 1e9, 1e9, "ref")
+  assert capsys.readouterr().out.count("GFLOP/s") == 3  # attention fwd, fwd+bwd, ragged decode

@@ -1,4 +1,4 @@
-"""kernels.py: Pallas TPU kernels vs the jnp references, run on CPU under TPU interpret mode.
+"""pallas_kernels: the Pallas TPU kernels vs the jnp references, run on CPU under TPU interpret mode.
 
 Values and gradients: fp32 within 1e-5, bf16 within 2e-2. Interpret mode compiles slowly (seconds per kernel
 configuration), so each test checks the forward value and all three gradients from one jitted function.

@@ -193,9 +193,7 @@ def test_save_then_hf_load_same_logits(ckpts, family, tmp_path):
   d, _ = ckpts[family]
   cfg, params = M.load_hf_checkpoint(d)
   out = str(tmp_path / "ours")
-  # Small shard limit: exercises our index.json writer too.
-  M.save_hf_checkpoint(out, cfg, params, max_shard_bytes=64 << 10)
-  assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+  M.save_hf_checkpoint(out, cfg, params)
   hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
   tokens = _tokens(B, T, seed=3)
   ours = np.asarray(fwd(params, cfg, jnp.asarray(tokens)))
