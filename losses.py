@@ -336,7 +336,10 @@ class LossConfig:
   kl_estimator: str = "k3"  # a KL_ESTIMATORS name (kl_penalty)
   kl_mode: str = "loss"  # "loss": + kl_coef * agg(kl); "reward": kl_coef * KL-to-go off the advantages
   entropy_coef: float = 0.0  # loss -= entropy_coef * agg(entropy)
-  tis_cap: float | None = None  # truncated IS cap on pi_prox / mu, per "token" or "sequence" (tis_level)
+  # The behaviour weight min(pi_prox / mu, tis_cap), per "token" or "sequence" (tis_level): on in every preset (the
+  # data is off-policy whenever it is stale, from several updates, or a continued partial rollout). 2 as in Yao et
+  # al. 2025 (verl's TIS); None turns the correction off (then stale data is trained as if on-policy).
+  tis_cap: float | None = 2.0
   tis_level: str = "token"
   mask_ratio_cap: float | None = None  # drop tokens whose trainer/behaviour ratio is outside [1/cap, cap]
   max_tokens: int | None = None  # seq_mean_token_sum's constant normaliser (None: the padded length T)
@@ -382,7 +385,9 @@ ALGORITHMS = {
     "dapo": LossConfig(eps_high=0.28, overlong_buffer_frac=0.2),
     # GSPO (Zheng et al. 2025, arXiv 2507.18071): sequence-level length-normalised ratio, clip 3e-4 / 4e-4,
     # group-normalised advantages, per-sequence mean, no KL.
-    "gspo": LossConfig(policy_loss="gspo", agg="seq_mean_token_mean", eps_low=3e-4, eps_high=4e-4),
+    # Its behaviour weight is per sequence too, like its ratio.
+    "gspo": LossConfig(policy_loss="gspo", agg="seq_mean_token_mean", eps_low=3e-4, eps_high=4e-4,
+                       tis_level="sequence"),
     # CISPO (MiniMax-M1, arXiv 2506.13585): clipped stop-gradient IS weight on log pi, token-level mean, group-
     # normalised advantages, no lower IS bound. eps_high^IS is tuned in the paper; 0.28 here is our choice.
     "cispo": LossConfig(policy_loss="cispo", cispo_eps_low=None, cispo_eps_high=0.28),
@@ -407,16 +412,16 @@ def policy_loss(cfg, logp, old_logp, advantages, mask, *, ref_logp=None, prox_lo
   """Scalar loss to minimise and a dict of jnp-scalar metrics. All [B,T] inputs; advantages [B] or [B,T].
 
   logp: the trainer's log-probs of the sampled tokens (differentiated); old_logp: the worker's behaviour mu.
-  prox_logp: optional proximal policy (the trainer's log-probs at the start of the step, no gradient). Decoupled
-  PPO (Hilton et al. 2021, arXiv 2110.00641): the ratio is r = pi_theta / pi_prox and the mismatch pi_prox / mu is
-  handled by truncated IS; without it r = pi_theta / mu. Around the family POLICY_LOSSES[cfg.policy_loss]:
-  Truncated IS (Espeholt et al. 2018, arXiv 1802.01561; Yao et al. 2025, "Your Efficient RL Framework Secretly
-  Brings You Off-Policy RL Training"): token w_bt = min(pi_prox/mu, cap); sequence w_b = min(prod_t pi_prox/mu, cap)
-  (in log space). Needs prox_logp; for one update per batch pass prox_logp=jax.lax.stop_gradient(logp).
-  mask_ratio_cap = C drops tokens whose rho = pi_trainer / mu (pi_trainer = prox, or sg(logp)) is outside [1/C, C]
-  from every term (masked importance sampling, as in IcePop / MIS, 2025).
+  prox_logp: the proximal policy pi_prox (the trainer's log-probs at the start of the step, no gradient); None
+  (one update per batch): the current policy, sg(logp). Always decoupled PPO (Hilton et al. 2021, arXiv
+  2110.00641; AReaL, arXiv 2505.24298): the family sees r = pi_theta / pi_prox, and the behaviour mismatch is the
+  weight w = min(pi_prox / mu, tis_cap) on every term of the family, so mu never drops out, whatever the number of
+  updates per batch (Espeholt et al. 2018, arXiv 1802.01561; Yao et al. 2025, "Your Efficient RL Framework
+  Secretly Brings You Off-Policy RL Training"): per token, or w_b = min(prod_t pi_prox/mu, cap) per sequence
+  (in log space). mask_ratio_cap = C drops tokens whose pi_prox / mu is outside [1/C, C] from every term (masked
+  importance sampling, as in IcePop / MIS, 2025).
   KL (needs ref_logp when kl_coef > 0): mode "loss" adds kl_coef * agg(kl_t); mode "reward" subtracts
-  kl_coef * sum_{s>=t} kl_s (gamma = 1, from the fixed pi_prox or mu, no gradient) from A_t, after the advantage
+  kl_coef * sum_{s>=t} kl_s (gamma = 1, from the fixed pi_prox, no gradient) from A_t, after the advantage
   estimator (so REINFORCE++ whitening does not see it). Entropy bonus: loss -= entropy_coef * agg(entropy).
   """
   B, T = logp.shape
@@ -429,21 +434,19 @@ def policy_loss(cfg, logp, old_logp, advantages, mask, *, ref_logp=None, prox_lo
     raise ValueError(f"policy_loss: kl_coef={cfg.kl_coef} needs ref_logp (or set kl_coef=0)")
   if cfg.entropy_coef > 0 and entropy is None:
     raise ValueError(f"policy_loss: entropy_coef={cfg.entropy_coef} needs entropy (token_logprobs_and_entropy)")
-  if cfg.tis_cap is not None and prox_logp is None:
-    raise ValueError(f"policy_loss: tis_cap={cfg.tis_cap} needs prox_logp (the trainer's log-probs before the "
-                     f"update; for one update per batch pass prox_logp=jax.lax.stop_gradient(logp))")
 
   dt = _compute_dtype(logp.dtype)
   valid = mask.astype(bool)
   # Zero padding first (where, not *): inf/nan there then cannot reach the loss or the gradient.
   clean = lambda x: None if x is None else jnp.where(valid, x, 0).astype(dt)
+  prox_logp = sg(logp) if prox_logp is None else prox_logp  # one update per batch: pi_prox is the current policy
   logp, old_logp, ref_logp, prox_logp, entropy = map(clean, (logp, old_logp, ref_logp, prox_logp, entropy))
   adv = jnp.broadcast_to(advantages[:, None], (B, T)) if advantages.ndim == 1 else advantages
   adv = jnp.where(valid, sg(adv), 0).astype(dt)
-  base = prox_logp if prox_logp is not None else old_logp
+  base = sg(prox_logp)
 
-  # Off-policy correction between the trainer's and the worker's log-probs.
-  behav_lr = sg(prox_logp if prox_logp is not None else logp) - old_logp  # log(pi_trainer / mu)
+  # The behaviour correction between the proximal policy and the worker's: log(pi_prox / mu).
+  behav_lr = base - old_logp
   keep = valid
   if cfg.mask_ratio_cap is not None:
     keep = valid & (jnp.abs(behav_lr) <= math.log(cfg.mask_ratio_cap))

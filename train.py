@@ -2,13 +2,15 @@
 
 What the default run does (GRPO, arXiv 2402.03300, as the RLAX paper trains): each step takes --prompts_per_step
 groups of --group_size completions that the workers sampled from a recent policy and the verifiers scored; a
-completion's advantage is its reward minus its group's mean, over the group's std; the loss is the PPO-clipped
-(0.2) importance ratio pi_theta / mu (mu: the worker's own log-probs of what it sampled) times the advantage,
-averaged over each completion's tokens and then over completions, plus a k3 KL penalty (beta 0.04) to the frozen
-initial policy; one AdamW update per batch, then the new weights go to the workers. It deliberately leaves out a
-value network (GRPO needs none; --algo=ppo adds a value head), an entropy bonus, dynamic sampling and clip-higher
-(--algo=dapo), and waiting for the freshest weights: workers generate asynchronously, up to --max_staleness
-versions behind, which the ratio to mu accounts for. Other algorithms: --algo (losses.ALGORITHMS).
+completion's advantage is its reward minus its group's mean, over the group's std; the loss is decoupled PPO
+(Hilton et al. 2021; AReaL): the clipped (0.2) ratio pi_theta / pi_prox times the advantage, weighted by the
+behaviour correction min(pi_prox / mu, 2) (pi_prox: the policy at the step's start; mu: the worker's own log-probs
+of what it sampled, up to --max_staleness versions old), averaged over each completion's tokens and then over
+completions, plus a k3 KL penalty (beta 0.04) to the frozen initial policy; one AdamW update per batch, then the
+new weights go to the workers. It deliberately leaves out a value network (GRPO needs none; --algo=ppo adds a
+value head), an entropy bonus, dynamic sampling and clip-higher (--algo=dapo), and waiting for the freshest
+weights: workers generate asynchronously, which the behaviour weight accounts for. Other algorithms: --algo
+(losses.ALGORITHMS; every preset gets the same behaviour correction).
 
 Reading order (top-down): flags; setup (mesh, prompts, params, optimizer); run_rl, the loop as named steps
 (collect -> batch -> step -> publish -> checkpoint -> log); the step (loss, PPO epochs, gradient accumulation);
@@ -264,7 +266,7 @@ def init_learner(mesh, cfg, init):
             logprob_chunk=FLAGS.logprob_chunk)
   loss_fn = functools.partial(rl_loss, lcfg=lcfg, value_coef=FLAGS.value_coef, gae_gamma=FLAGS.gae_gamma,
                               gae_lambda=FLAGS.gae_lambda, value_clip=FLAGS.value_clip, remat=FLAGS.remat, **kw)
-  step = make_train_step(optimizer, loss_fn, FLAGS.grad_accum, epochs=FLAGS.ppo_epochs,
+  step = make_train_step(optimizer, loss_fn, FLAGS.grad_accum, lcfg.agg, epochs=FLAGS.ppo_epochs,
                          minibatches=FLAGS.minibatches, prox_fn=functools.partial(proximal, **kw))
   # Pin the outputs to the inputs' shardings: XLA would otherwise leave updated params/moments replicated.
   shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
@@ -575,8 +577,9 @@ def proximal(trainable, batch, **kw):
 def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dtype, attn_impl, value_coef,
             gae_gamma=1.0, gae_lambda=1.0, value_clip=0.0, remat=False, logprob_chunk=0):
   """trainable = {"policy": params, "value": value head or None}. Returns (loss, metrics).
-  batch["prox_logp"], when present (PPO epochs/minibatches, make_train_step), is the proximal policy of the clip:
-  ratio pi_theta / pi_prox, and TIS (if tis_cap) weighs pi_prox / mu with mu = batch["behaviour_logp"].
+  The ratio of the clip is pi_theta / pi_prox and the behaviour weight min(pi_prox / mu, tis_cap), mu =
+  batch["behaviour_logp"]; pi_prox = batch["prox_logp"] when present (several updates per batch, make_train_step),
+  else the current policy without gradient.
   batch["old_values"], present with it when there is a value head, is V_old: GAE advantages and returns come from
   it (fixed over the step's updates, as verl/OpenRLHF compute them once per batch) and value_clip > 0 bounds
   |V - V_old| in the value loss. Without it V_old = stop_gradient(V), where the clip is a no-op and is skipped."""
@@ -599,10 +602,10 @@ def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dty
                                                   clip=clip, with_clip_frac=True)
     if value_clip > 0:  # without old_values (one update per batch) V_old = V: nothing can be clipped, frac is 0
       extra["value_clip_frac"] = frac
-  # Truncated IS needs a proximal policy: with one update per batch that is the current policy (ratio 1 inside
-  # the clip), so the correction is the IS weight min(pi / mu, cap) on the behaviour samples.
-  prox = (batch["prox_logp"] if "prox_logp" in batch else
-          jax.lax.stop_gradient(logp) if lcfg.tis_cap is not None else None)
+  # Decoupled PPO, always (the data may be stale, or continued from a partial rollout of an older version): the
+  # clip is on pi / pi_prox and the behaviour correction is the capped weight pi_prox / mu. pi_prox is the step's
+  # starting policy: fixed by make_train_step for several updates, else the current one (ratio 1 inside the clip).
+  prox = batch["prox_logp"] if "prox_logp" in batch else jax.lax.stop_gradient(logp)
   loss, m = losses.policy_loss(lcfg, logp, batch["behaviour_logp"], adv, mask, ref_logp=ref_logp,
                                prox_logp=prox, entropy=ent)
   if extra:
@@ -618,16 +621,17 @@ def rl_loss(trainable, ref_params, batch, *, cfg, lcfg, temperature, compute_dty
   return loss, m
 
 
-def make_train_step(optimizer, loss_fn, grad_accum, *, epochs=1, minibatches=1, prox_fn=None):
+def make_train_step(optimizer, loss_fn, grad_accum, agg, *, epochs=1, minibatches=1, prox_fn=None):
   """One trainer step on a batch. epochs x minibatches optimizer updates (PPO epochs, as verl/OpenRLHF/TRL);
   with more than one update, prox_fn(params, batch) (e.g. proximal) is called once before the first update and
   its arrays added to the batch: the fixed proximal policy of the clip and V_old, while the worker's behaviour
   log-probs stay in the batch for TIS (decoupled PPO / AReaL). With 1 x 1 the update is the plain one (ratio
   pi_theta / mu). The updates are unrolled (epochs * minibatches copies in the compiled step, each a grad_accum
-  scan); metrics are the mean over updates; clip_frac/ratio_min/ratio_max(/value_clip_frac)_last are the last's."""
+  scan); metrics are the mean over updates; clip_frac/ratio_min/ratio_max(/value_clip_frac)_last are the last's.
+  agg: the loss's aggregation (LossConfig.agg), which decides what a micro-batch's share of the update is."""
   if epochs < 1 or minibatches < 1:
     raise ValueError(f"make_train_step: epochs={epochs} and minibatches={minibatches} must be >= 1")
-  update = _make_update(optimizer, loss_fn, grad_accum)
+  update = _make_update(optimizer, loss_fn, grad_accum, agg)
   if epochs == 1 and minibatches == 1:
     return update
   if prox_fn is None:
@@ -648,17 +652,27 @@ def make_train_step(optimizer, loss_fn, grad_accum, *, epochs=1, minibatches=1, 
   return step
 
 
-def _make_update(optimizer, loss_fn, grad_accum):
+def _make_update(optimizer, loss_fn, grad_accum, agg):
   def step(params, opt_state, ref_params, batch):
-    def micro(acc, mb):
-      (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params, mb)
+    def scaled(p, mb, s):  # micro-batch loss x (grad_accum x its share): the scan's mean is then the global mean
+      loss, m = loss_fn(p, ref_params, mb)
+      return loss * s, m
+
+    def micro(acc, xs):
+      (loss, m), g = jax.value_and_grad(scaled, has_aux=True)(params, *xs)
       return jax.tree.map(jnp.add, acc, (g, loss, m)), None
 
     mbs = _microbatches(batch, grad_accum)
+    # Token means normalise by the whole update's token count (sequence count for the per-sequence aggregations),
+    # not each micro-batch's: with micro-batches of 8 and 7 tokens, the mean of their token means weighs a token of
+    # the short one 8/7 of one of the long one.
+    per_row = mbs["loss_mask"].sum(-1)  # [grad_accum, rows]
+    counts = (per_row if agg == "token_mean" else (per_row > 0)).sum(-1).astype(jnp.float32)
+    shares = grad_accum * counts / jnp.maximum(counts.sum(), 1)
     zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
-        lambda: (params, *jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params,
-                                                                    jax.tree.map(lambda x: x[0], mbs))[0])))
-    (g, loss, m), _ = jax.lax.scan(micro, zero, mbs)
+        lambda: (params, *jax.value_and_grad(scaled, has_aux=True)(params, jax.tree.map(lambda x: x[0], mbs),
+                                                                    shares[0])[0])))
+    (g, loss, m), _ = jax.lax.scan(micro, zero, (mbs, shares))
     g, loss, m = jax.tree.map(lambda x: x / grad_accum, (g, loss, m))
     updates, new_opt = optimizer.update(g, opt_state, params)
     gnorm = optax.tree.norm(g)

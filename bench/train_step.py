@@ -233,7 +233,7 @@ def memory_table(a, cfg, lcfg, optimizer, params, opt_state, ref_params, n_param
       fn = lambda p, r, b, remat=remat, chunk=chunk: train.rl_loss(  # noqa: E731
           p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0, compute_dtype=jnp.float32, attn_impl="auto",
           value_coef=0.5, remat=remat, logprob_chunk=chunk)
-      step = jax.jit(train.make_train_step(optimizer, fn, 1), donate_argnums=(0, 1))
+      step = jax.jit(train.make_train_step(optimizer, fn, 1, lcfg.agg), donate_argnums=(0, 1))
       mem = step.lower(params, opt_state, ref_params, batch).compile().memory_analysis()
       per.append(mem.temp_size_in_bytes / (a.batch * T))
     rows.append(dict(seq_len=T, temp_bytes_per_token=dict(zip(("plain", "remat", "chunk", "both"), per))))
@@ -278,7 +278,7 @@ def main(argv=None):
   loss_fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0,  # noqa: E731
                                           compute_dtype=jnp.dtype(a.param_dtype), attn_impl="auto",
                                           value_coef=0.5)
-  step = jax.jit(train.make_train_step(optimizer, loss_fn, 1), donate_argnums=(0, 1))
+  step = jax.jit(train.make_train_step(optimizer, loss_fn, 1, lcfg.agg), donate_argnums=(0, 1))
   batch, _, _ = train.rl_batch(synthetic_groups(a, rng), lcfg, 0, (T,), T // 2)
   assert batch["tokens"].shape == (B, T), batch["tokens"].shape
   batch = jax.tree.map(jnp.asarray, batch)
@@ -307,7 +307,7 @@ def main(argv=None):
 
   step_flops = B * forward_flops_per_sequence(cfg, T) * (3 + (lcfg.kl_coef > 0))
   # Cross-check of the formula against the traced step (tracing only, no compile).
-  traced = jaxpr_matmul_flops(jax.make_jaxpr(train.make_train_step(optimizer, loss_fn, 1))(
+  traced = jaxpr_matmul_flops(jax.make_jaxpr(train.make_train_step(optimizer, loss_fn, 1, lcfg.agg))(
       params, opt_state, ref_params, batch))
   best, med = min(times), statistics.median(times)
   res = dict(

@@ -79,7 +79,7 @@ def test_train_flops_count_the_reference_forward():
   for a.seq_len in (32, 320):  # one attention block; 4 causal query blocks (pallas_kernels.flash.causal_blocks)
     batch, _, _ = train.rl_batch(bench_train.synthetic_groups(a, np.random.default_rng(0)), lcfg, 0,
                                  (a.seq_len,), a.seq_len // 2)
-    jaxpr = jax.make_jaxpr(train.make_train_step(opt, loss_fn, 1))(
+    jaxpr = jax.make_jaxpr(train.make_train_step(opt, loss_fn, 1, lcfg.agg))(
         params, jax.eval_shape(opt.init, params), params["policy"], batch)
     want = a.batch * 4 * bench_train.forward_flops_per_sequence(cfg, a.seq_len)
     assert bench_train.jaxpr_matmul_flops(jaxpr) == want, a.seq_len

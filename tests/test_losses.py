@@ -264,7 +264,7 @@ def test_ppo_by_hand():
   old = jnp.zeros((1, 4))
   ratio = jnp.array([[1.1, 1.5, 0.5, 0.5]])
   adv = jnp.array([[1.0, 1.0, 1.0, -1.0]])
-  loss, m = PL(cfg, jnp.log(ratio), old, adv, jnp.ones((1, 4)))
+  loss, m = PL(cfg, jnp.log(ratio), old, adv, jnp.ones((1, 4)), prox_logp=old)  # pi_prox = mu: no weight
   # min(rA, clip(r)A): 1.1, 1.28 (clipped high), 0.5 (A>0, r low: unclipped), -0.8 (clipped low).
   np.testing.assert_allclose(loss, -(1.1 + 1.28 + 0.5 - 0.8) / 4, rtol=1e-6)
   np.testing.assert_allclose([m["clip_frac_high"], m["clip_frac_low"], m["clip_frac"]], [.25, .25, .5])
@@ -272,7 +272,7 @@ def test_ppo_by_hand():
   # Dual clip c = 3 bounds the negative-advantage objective below by cA.
   cfg = cfg_of(policy_loss="ppo", dual_clip_c=3.0)
   loss, m = PL(cfg, jnp.log(jnp.array([[5.0, 2.0]])), jnp.zeros((1, 2)), jnp.array([[-1.0, -1.0]]),
-                jnp.ones((1, 2)))
+                jnp.ones((1, 2)), prox_logp=jnp.zeros((1, 2)))
   np.testing.assert_allclose(loss, -(-3.0 - 2.0) / 2, rtol=1e-6)
   np.testing.assert_allclose(m["dual_clip_frac"], 0.5)
 
@@ -291,7 +291,7 @@ def test_gspo_by_hand():
   # Seq 0: token ratios e^.1, e^-.05 -> s = e^.025 (inside); seq 1: ratios e^.4, e^.2 -> s = e^.3 (clipped, A>0).
   logp = jnp.array([[0.1, -0.05], [0.4, 0.2]]) - 1.0
   old = jnp.full((2, 2), -1.0)
-  loss, m = PL(cfg, logp, old, jnp.array([2.0, 1.0]), jnp.ones((2, 2)))
+  loss, m = PL(cfg, logp, old, jnp.array([2.0, 1.0]), jnp.ones((2, 2)), prox_logp=old)
   np.testing.assert_allclose(loss, -(math.exp(0.025) * 2 + 1.1 * 1) / 2, rtol=1e-6)
   np.testing.assert_allclose(m["clip_frac_high"], 0.5)
   np.testing.assert_allclose(m["ratio_max"], math.exp(0.3), rtol=1e-6)
@@ -302,10 +302,10 @@ def test_cispo_and_reinforce_by_hand():
   old = jnp.log(jnp.array([[0.25, 0.25]]))  # ratios 2, 1
   adv = jnp.array([[1.0, -1.0]])
   cfg = cfg_of(policy_loss="cispo", cispo_eps_high=0.5)  # weights clip(2) = 1.5, 1
-  loss, m = PL(cfg, logp, old, adv, jnp.ones((1, 2)))
+  loss, m = PL(cfg, logp, old, adv, jnp.ones((1, 2)), prox_logp=old)
   np.testing.assert_allclose(loss, -(1.5 * math.log(0.5) - 1 * math.log(0.25)) / 2, rtol=1e-6)
   np.testing.assert_allclose(m["clip_frac_high"], 0.5)
-  loss, _ = PL(cfg_of(policy_loss="reinforce"), logp, old, adv, jnp.ones((1, 2)))
+  loss, _ = PL(cfg_of(policy_loss="reinforce"), logp, old, adv, jnp.ones((1, 2)), prox_logp=old)
   np.testing.assert_allclose(loss, -(math.log(0.5) - math.log(0.25)) / 2, rtol=1e-6)
 
 
@@ -349,10 +349,10 @@ def test_truncated_is_and_ratio_masking_by_hand():
   cfg = cfg_of(policy_loss="reinforce", tis_cap=3.0, tis_level="sequence")
   g = jax.grad(lambda lp: PL(cfg, lp, mu, adv, mask, prox_logp=prox)[0])(logp)
   np.testing.assert_allclose(g, -jnp.array([[1.0, 1.0], [3.0, 3.0]]) / 4, rtol=1e-6)
-  with pytest.raises(ValueError, match="prox_logp"):
-    PL(cfg, logp, mu, adv, mask)
-  # Masking: rho outside [1/3, 3] is dropped (the 4); the other three tokens are averaged.
-  cfg = cfg_of(policy_loss="reinforce", mask_ratio_cap=3.0)
+  # Without prox_logp (one update per batch) pi_prox is the current policy: here the same zeros.
+  np.testing.assert_allclose(jax.grad(lambda lp: PL(cfg, lp, mu, adv, mask)[0])(logp), g, rtol=1e-6)
+  # Masking: rho outside [1/3, 3] is dropped (the 4); the other three tokens are averaged (weights off).
+  cfg = cfg_of(policy_loss="reinforce", mask_ratio_cap=3.0, tis_cap=None)
   g = jax.grad(lambda lp: PL(cfg, lp, mu, adv, mask, prox_logp=prox)[0])(logp)
   np.testing.assert_allclose(g, -jnp.array([[1.0, 1.0], [1.0, 0.0]]) / 3, rtol=1e-6)
   _, m = PL(cfg, logp, mu, adv, mask, prox_logp=prox)
@@ -372,7 +372,7 @@ def test_decoupled_ppo_ratio_uses_prox():
 
 VARIANTS = {
     "ppo_dual": dict(policy_loss="ppo", eps_low=0.2, eps_high=0.28, dual_clip_c=3.0),
-    "gspo": dict(policy_loss="gspo", eps_low=0.1, eps_high=0.1, agg="seq_mean_token_mean"),
+    "gspo": dict(policy_loss="gspo", eps_low=0.1, eps_high=0.1, agg="seq_mean_token_mean", tis_level="sequence"),
     "cispo": dict(policy_loss="cispo", cispo_eps_low=0.5, cispo_eps_high=0.2),
     "reinforce_sum": dict(policy_loss="reinforce", agg="seq_mean_token_sum", max_tokens=8),
     "ppo_k1_ent": dict(policy_loss="ppo", kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01,
@@ -396,10 +396,7 @@ def make_batch(seed, B=3, T=4, dtype=jnp.float32):
 
 
 def call(cfg, logp, old, prox, ref, ent, adv, mask):
-  kw = dict(ref_logp=ref, entropy=ent)
-  if cfg.tis_cap is not None or cfg.mask_ratio_cap is not None:
-    kw["prox_logp"] = prox
-  return PL(cfg, logp, old, adv, mask, **kw)
+  return PL(cfg, logp, old, adv, mask, ref_logp=ref, entropy=ent, prox_logp=prox)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -454,7 +451,7 @@ def test_gradients_closed_form():
   m = mask.astype(jnp.float32)
   n = m.sum()
   # PPO with a clip range wide enough to never engage: -r A / N.
-  g = jax.grad(lambda lp: PL(cfg_of(eps_low=0.99, eps_high=100.0), lp, old, adv, mask)[0])(logp)
+  g = jax.grad(lambda lp: PL(cfg_of(eps_low=0.99, eps_high=100.0), lp, old, adv, mask, prox_logp=old)[0])(logp)
   np.testing.assert_allclose(g, -r * A * m / n, rtol=1e-5, atol=1e-7)
   # CISPO + k3 KL in the loss + token TIS against prox: -w clip(r) A / N + beta (1 - e^(ref - logp)) / N
   # (without KL/TIS this is -clip(r) A / N, for every token).
@@ -468,7 +465,7 @@ def test_gradients_closed_form():
   np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7)
   # GSPO unclipped, seq_mean_token_mean: -s_b A_b / (n_b * B_valid).
   cfg = cfg_of(policy_loss="gspo", eps_low=0.99, eps_high=100.0, agg="seq_mean_token_mean")
-  g = jax.grad(lambda lp: PL(cfg, lp, old, adv, mask)[0])(logp)
+  g = jax.grad(lambda lp: PL(cfg, lp, old, adv, mask, prox_logp=old)[0])(logp)
   nb = m.sum(1, keepdims=True)
   s = jnp.exp(jnp.sum((logp - old) * m, 1, keepdims=True) / nb)
   np.testing.assert_allclose(g, -s * A * m / (nb * logp.shape[0]), rtol=1e-5, atol=1e-7)
@@ -477,7 +474,7 @@ def test_gradients_closed_form():
 def grad_at_ratio(cfg, ratio, adv):
   old = jnp.full((1, 1), -1.0, jnp.float64)
   logp = old + jnp.log(ratio)
-  return float(jax.grad(lambda lp: PL(cfg, lp, old, jnp.array([adv]), jnp.ones((1, 1)))[0])(logp)[0, 0])
+  return float(jax.grad(lambda lp: PL(cfg, lp, old, jnp.array([adv]), jnp.ones((1, 1)), prox_logp=old)[0])(logp)[0, 0])
 
 
 def test_ppo_clip_engages_exactly_at_bounds():
@@ -514,8 +511,8 @@ def test_gspo_and_cispo_clip_at_bounds():
 def test_clip_fraction_metrics_engage_at_bounds():
   cfg = cfg_of(policy_loss="ppo", eps_low=0.2, eps_high=0.28)
   ratio = jnp.array([[1.28 - 1e-4, 1.28 + 1e-4, 0.8 + 1e-4, 0.8 - 1e-4]])
-  _, m = PL(cfg, jnp.log(ratio), jnp.zeros((1, 4)), jnp.array([[1.0, 1.0, -1.0, -1.0]]),
-                            jnp.ones((1, 4)))
+  _, m = PL(cfg, jnp.log(ratio), jnp.zeros((1, 4)), jnp.array([[1.0, 1.0, -1.0, -1.0]]), jnp.ones((1, 4)),
+            prox_logp=jnp.zeros((1, 4)))
   np.testing.assert_allclose([m["clip_frac_high"], m["clip_frac_low"]], [0.25, 0.25])
 
 
@@ -587,3 +584,60 @@ def test_policy_loss_input_errors():
     losses.policy_loss(cfg, x, x[:1], jnp.zeros(2), x, ref_logp=x)
   with pytest.raises(ValueError, match="temperature"):
     losses.token_logprobs(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2), jnp.int32), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Off-policy correction by construction: every preset, data from a behaviour policy mu != pi_prox (stale data
+# trained with several updates per batch), against gradients computed by hand from the papers' formulas.
+
+def hand_grad(cfg, logp, prox, mu, ref, adv, mask):
+  """d loss / d logp by hand (numpy), for the presets' pieces: decoupled PPO with the capped behaviour weight."""
+  m = mask.astype(bool)
+  B, T = logp.shape
+  A = np.broadcast_to(adv[:, None], (B, T)).astype(np.float64)
+  if cfg.kl_coef and cfg.kl_mode == "reward":  # k1 KL-to-go from the fixed pi_prox, off the advantages
+    k1 = np.where(m, prox - ref, 0)
+    A = A - cfg.kl_coef * np.flip(np.cumsum(np.flip(k1, -1), -1), -1)
+  w = np.minimum(np.exp(prox - mu), cfg.tis_cap)  # the behaviour weight pi_prox / mu, capped
+  if cfg.tis_level == "sequence":
+    w = np.broadcast_to(np.minimum(np.exp(np.where(m, prox - mu, 0).sum(-1)), cfg.tis_cap)[:, None], (B, T))
+  r = np.exp(logp - prox)
+  lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
+  if cfg.policy_loss == "ppo":
+    g = np.where(((r > hi) & (A > 0)) | ((r < lo) & (A < 0)), 0.0, -w * r * A)
+  elif cfg.policy_loss == "gspo":
+    s = np.exp(np.where(m, logp - prox, 0).sum(-1, keepdims=True) / m.sum(-1, keepdims=True))
+    g = np.where(((s > hi) & (A > 0)) | ((s < lo) & (A < 0)), 0.0, -w * s * A)
+  elif cfg.policy_loss == "cispo":
+    g = -w * np.clip(r, 0.0, 1 + cfg.cispo_eps_high) * A
+  else:  # reinforce
+    g = -w * A
+  if cfg.kl_coef and cfg.kl_mode == "loss":  # d/dlogp k3(logp, ref) = 1 - exp(ref - logp)
+    g = g + cfg.kl_coef * (1 - np.exp(ref - logp))
+  n_seq = (m.sum(-1) > 0).sum()
+  scale = {"token_mean": np.full((B, 1), 1 / m.sum()),
+           "seq_mean_token_mean": 1 / (m.sum(-1, keepdims=True) * n_seq),
+           "seq_mean_token_sum": np.full((B, 1), 1 / (n_seq * (cfg.max_tokens or T)))}[cfg.agg]
+  return np.where(m, g * scale, 0.0)
+
+
+@pytest.mark.parametrize("name", sorted(losses.ALGORITHMS))
+def test_every_preset_weighs_stale_data_by_pi_prox_over_mu_by_hand(name):
+  cfg = losses.ALGORITHMS[name]
+  assert cfg.tis_cap is not None  # on in every preset
+  with jax.enable_x64(True):
+    prox = jnp.array([[-1.0, -0.7, -2.0], [-0.4, -1.2, -0.9]], jnp.float64)
+    logp = prox + jnp.array([[0.05, -0.1, 0.15], [0.1, -0.05, 0.0]])  # pi_theta after a first update
+    mu = prox - jnp.log(jnp.array([[0.5, 1.5, 3.0], [1.2, 0.8, 0.6]]))  # pi_prox / mu: 0.5, 1.5, 3 (capped at 2)...
+    if name == "gspo":  # its clip range is 3e-4: a ratio inside it in sequence 0, outside in sequence 1
+      logp = prox + jnp.array([[1e-4, -1e-4, 2e-4], [0.1, -0.05, 0.0]])
+    ref = prox - 0.3
+    adv = jnp.array([1.0, -0.5])
+    mask = jnp.array([[1, 1, 1], [1, 1, 0]])
+    g = jax.grad(lambda lp: PL(cfg, lp, mu, adv, mask, ref_logp=ref, prox_logp=prox)[0])(logp)
+    want = hand_grad(cfg, *(np.asarray(x, np.float64) for x in (logp, prox, mu, ref, adv, mask)))
+    np.testing.assert_allclose(np.asarray(g), want, rtol=1e-9, atol=1e-12)
+    assert np.abs(want).max() > 1e-3
+    # mu matters: the same data from another behaviour policy gives another gradient.
+    g2 = jax.grad(lambda lp: PL(cfg, lp, mu - 0.5, adv, mask, ref_logp=ref, prox_logp=prox)[0])(logp)
+    assert np.abs(np.asarray(g2) - np.asarray(g)).max() > 1e-4

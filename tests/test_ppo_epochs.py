@@ -15,7 +15,7 @@ import train
 from tests.test_train import CFG, groups
 
 
-def _setup(lcfg, lr=1e-2, buckets=(16,), value_clip=0.0, seed=0):
+def _setup(lcfg, lr=1e-2, buckets=(16,), value_clip=0.0, seed=0, opt=None):
   m = model.make_mesh(1, 1, 1)
   jax.set_mesh(m)
   policy = model.shard_params(model.init_params(CFG, jax.random.PRNGKey(0)), CFG, m)
@@ -23,7 +23,7 @@ def _setup(lcfg, lr=1e-2, buckets=(16,), value_clip=0.0, seed=0):
   value = (dict(w=0.05 * jax.random.normal(jax.random.PRNGKey(1), (CFG.d_model,)), b=jnp.zeros(()))
            if lcfg.advantage == "gae" else None)
   params = dict(policy=policy, value=value)
-  opt = train.make_optimizer(lr, 1, 10, 0.0, 1.0)
+  opt = opt or train.make_optimizer(lr, 1, 10, 0.0, 1.0)
   opt_state = jax.tree.map(jnp.copy, opt.init(params))
   fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=CFG, lcfg=lcfg, temperature=1.0,  # noqa: E731
                                      compute_dtype=jnp.float32, attn_impl="ref", value_coef=0.5,
@@ -36,8 +36,8 @@ def _setup(lcfg, lr=1e-2, buckets=(16,), value_clip=0.0, seed=0):
 
 def test_one_epoch_one_minibatch_is_the_plain_update():
   lcfg = dataclasses.replace(losses.ALGORITHMS["grpo"], kl_coef=0.0)
-  params, opt_state, opt, fn, prox, gb = _setup(lcfg)
-  step = jax.jit(train.make_train_step(opt, fn, 1, epochs=1, minibatches=1, prox_fn=prox))
+  params, opt_state, opt, fn, prox, gb = _setup(lcfg, opt=optax.sgd(1e-2))  # SGD: see test_train's accumulation
+  step = jax.jit(train.make_train_step(opt, fn, 1, lcfg.agg, epochs=1, minibatches=1, prox_fn=prox))
   new, _, m = step(params, opt_state, None, gb)
   (loss, _), g = jax.value_and_grad(fn, has_aux=True)(params, None, gb)
   upd, _ = opt.update(g, opt_state, params)
@@ -59,10 +59,10 @@ def test_two_epochs_clip_with_a_fixed_proximal_policy():
   lp_fresh = jax.jit(lambda p, b: train.policy_logp(p, b, cfg=CFG, temperature=1.0, compute_dtype=jnp.float32,
                                                     attn_impl="ref")[0])(params, gb)
   np.testing.assert_array_equal(np.asarray(lp_prox), np.asarray(lp_fresh))
-  one = jax.jit(train.make_train_step(opt, fn, 1, epochs=1, minibatches=2, prox_fn=prox))
+  one = jax.jit(train.make_train_step(opt, fn, 1, lcfg.agg, epochs=1, minibatches=2, prox_fn=prox))
   _, _, m1 = one(params, opt_state, None, gb)
   assert float(m1["ratio_min"]) != 1.0 or float(m1["ratio_max"]) != 1.0  # 2nd minibatch: weights have moved
-  two = jax.jit(train.make_train_step(opt, fn, 1, epochs=2, minibatches=1, prox_fn=prox))
+  two = jax.jit(train.make_train_step(opt, fn, 1, lcfg.agg, epochs=2, minibatches=1, prox_fn=prox))
   _, _, m = two(params, opt_state, None, gb)
   # Epoch 1 starts at the proximal policy: ratio exactly 1, nothing clipped; epoch 2 after a large step clips.
   assert float(m["ratio_max_last"]) != 1.0 and float(m["ratio_min_last"]) != 1.0
@@ -75,7 +75,7 @@ def test_value_clip_with_one_update_is_the_plain_update():
   lcfg = dataclasses.replace(losses.ALGORITHMS["ppo"], kl_coef=0.0)
   params, opt_state, opt, fn0, prox, gb = _setup(lcfg)
   fn1 = _setup(lcfg, value_clip=0.2)[3]
-  steps = [train.make_train_step(opt, f, 1, prox_fn=prox) for f in (fn0, fn1)]
+  steps = [train.make_train_step(opt, f, 1, lcfg.agg, prox_fn=prox) for f in (fn0, fn1)]
   # Both steps in one jit: one compile instead of two, so the test stays short.
   (p0, _, m0), (p1, _, m1) = jax.jit(lambda *a: [s(*a) for s in steps])(params, opt_state, None, gb)
   assert float(m1["value_clip_frac"]) == 0 and "value_clip_frac" not in m0
@@ -94,7 +94,7 @@ def test_two_epochs_value_clip_against_fixed_old_values():
     loss, m = fn(p, r, b)
     return loss, dict(m, old_values_err=jnp.abs(b["old_values"] - v_old).max(),
                       value_loss_0=fn0(p, r, b)[1]["value_loss"])
-  new, _, m = jax.jit(train.make_train_step(opt, seen, 1, epochs=2, prox_fn=prox))(params, opt_state, None, gb)
+  new, _, m = jax.jit(train.make_train_step(opt, seen, 1, lcfg.agg, epochs=2, prox_fn=prox))(params, opt_state, None, gb)
   # The mean over both updates is 0 only if each is: the second update's V_old is the pre-step one, not
   # recomputed at its weights (which moved the values by more than the clip).
   assert float(m["old_values_err"]) < 1e-6
@@ -124,3 +124,43 @@ def test_one_dynamic_sampling_criterion():
   import train
   src = open(train.__file__).read()
   assert "data.group_has_signal(r.rewards)" in src and "np.std(" not in src
+
+
+def test_the_behaviour_policy_stays_in_the_loss_with_several_updates_per_batch():
+  """With --ppo_epochs / --minibatches > 1 the clip is on pi / pi_prox, and mu (the worker's log-probs) must still
+  weigh the data: the same batch from another behaviour policy gives another update (it did not, when mu entered
+  only through an opt-in tis_cap)."""
+  for name in ("grpo", "rloo"):
+    lcfg = dataclasses.replace(losses.ALGORITHMS[name], kl_coef=0.0)
+    params, opt_state, opt, fn, prox, gb = _setup(lcfg, seed=4)
+    step = jax.jit(train.make_train_step(opt, fn, 1, lcfg.agg, epochs=2, minibatches=1, prox_fn=prox))
+    a, _, ma = step(params, opt_state, None, gb)
+    shifted = dict(gb, behaviour_logp=gb["behaviour_logp"] - 0.7 * gb["loss_mask"])  # mu 2x less likely
+    b, _, mb = step(params, opt_state, None, shifted)
+    diff = max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert diff > 1e-6, name
+    assert float(mb["is_weight_mean"]) > float(ma["is_weight_mean"])
+
+
+def test_token_means_under_grad_accum_normalise_by_the_whole_batch():
+  """Micro-batches of unequal token counts: the accumulated gradient is the whole batch's token mean (the mean of
+  per-micro-batch token means weighs the short one's tokens more), for every token-mean preset."""
+  for name in ("dapo", "cispo", "reinforce_pp"):
+    lcfg = losses.ALGORITHMS[name]
+    m = model.make_mesh(1, 1, 1)
+    jax.set_mesh(m)
+    params = dict(policy=model.shard_params(model.init_params(CFG, jax.random.PRNGKey(0)), CFG, m), value=None)
+    g = groups(seed=4)
+    g = [dataclasses.replace(x, completions=[c[:1] if i == 0 else c for i, c in enumerate(x.completions)],
+                             logprobs=[lp[:1] if i == 0 else lp for i, lp in enumerate(x.logprobs)]) for x in g]
+    batch, _, _ = train.rl_batch(g, lcfg, 0, (16,), 8)
+    gb = train.to_global(batch, NamedSharding(m, P(("data", "fsdp"))))
+    half = np.asarray(batch["loss_mask"]).reshape(2, -1, 16).sum((1, 2))
+    assert half[0] != half[1], half  # the micro-batches hold different token counts
+    fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=CFG, lcfg=lcfg, temperature=1.0,  # noqa: E731
+                                    compute_dtype=jnp.float32, attn_impl="ref", value_coef=0.5)
+    sgd = optax.sgd(1.0)  # the update is minus the gradient
+    whole = jax.jit(train.make_train_step(sgd, fn, 1, lcfg.agg))(params, sgd.init(params), None, gb)[0]
+    accum = jax.jit(train.make_train_step(sgd, fn, 2, lcfg.agg))(params, sgd.init(params), None, gb)[0]
+    for x, y in zip(jax.tree.leaves(accum), jax.tree.leaves(whole)):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)

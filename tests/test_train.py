@@ -9,6 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -36,18 +37,18 @@ def groups(n_prompts=2, G=4, seed=0):
   return out
 
 
-def setup(lcfg, mesh=(1, 1, 1), grad_accum=1):
+def setup(lcfg, mesh=(1, 1, 1), grad_accum=1, opt=None):
   m = model.make_mesh(*mesh)
   jax.set_mesh(m)
   policy = model.shard_params(model.init_params(CFG, jax.random.PRNGKey(0)), CFG, m)
   value = dict(w=jnp.zeros((CFG.d_model,)), b=jnp.zeros(())) if lcfg.advantage == "gae" else None
   params = dict(policy=policy, value=value)
-  opt = train.make_optimizer(1e-2, 1, 10, 0.0, 1.0)
+  opt = opt or train.make_optimizer(1e-2, 1, 10, 0.0, 1.0)
   opt_state = jax.tree.map(jnp.copy, opt.init(params))
   ref = jax.tree.map(lambda x: jnp.array(x, copy=True), policy) if lcfg.kl_coef > 0 else None
   fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=CFG, lcfg=lcfg, temperature=1.0,  # noqa: E731
                                      compute_dtype=jnp.float32, attn_impl="ref", value_coef=0.5)
-  step = jax.jit(train.make_train_step(opt, fn, grad_accum))
+  step = jax.jit(train.make_train_step(opt, fn, grad_accum, lcfg.agg))
   batch, _, _ = train.rl_batch(groups(), lcfg, 0, (16,), 8)
   return params, opt_state, ref, step, train.to_global(batch, NamedSharding(m, P(("data", "fsdp")))), batch
 
@@ -99,13 +100,15 @@ def test_batch_alignment_and_overlong_shaping():
 
 def test_grad_accumulation_averages_micro_batch_gradients():
   lcfg = dataclasses.replace(losses.ALGORITHMS["grpo"], kl_coef=0.0)
-  p0, o0, _, s2, gb, _ = setup(lcfg, grad_accum=2)
+  # SGD: the update is the gradient itself (Adam's first step, g / |g|, turns float noise in a near-zero gradient
+  # into a full learning-rate step, which is not what this compares).
+  opt = optax.sgd(1e-2)
+  p0, o0, _, s2, gb, _ = setup(lcfg, grad_accum=2, opt=opt)
   fn = lambda p, bb: train.rl_loss(p, None, bb, cfg=CFG, lcfg=lcfg, temperature=1.0, compute_dtype=jnp.float32,
                                    attn_impl="ref", value_coef=0.5)[0]
   half = jax.tree.map(lambda x: x.reshape(2, x.shape[0] // 2, *x.shape[1:]), gb)
   grads = [jax.grad(fn)(p0, jax.tree.map(lambda x, i=i: x[i], half)) for i in range(2)]
   g = jax.tree.map(lambda a, b: (a + b) / 2, *grads)
-  opt = train.make_optimizer(1e-2, 1, 10, 0.0, 1.0)
   upd, _ = opt.update(g, o0, p0)
   want = jax.tree.map(lambda p, u: p + u, p0, upd)
   got, _, m = s2(p0, o0, None, gb)
@@ -145,9 +148,9 @@ def test_remat_and_chunked_logprobs_equal_the_plain_loss_with_less_memory():
 @pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 8, 1), (1, 1, 8)])
 def test_sharded_step_equals_single_device(mesh):
   lcfg = losses.ALGORITHMS["grpo"]
-  p1, o1, r1, s1, gb1, _ = setup(lcfg, (1, 1, 1))
+  p1, o1, r1, s1, gb1, _ = setup(lcfg, (1, 1, 1), opt=optax.sgd(1e-2))  # SGD: see the grad accumulation test
   want, _, m1 = s1(p1, o1, r1, gb1)
-  p8, o8, r8, s8, gb8, _ = setup(lcfg, mesh)
+  p8, o8, r8, s8, gb8, _ = setup(lcfg, mesh, opt=optax.sgd(1e-2))
   got, _, m8 = s8(p8, o8, r8, gb8)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6), want, got)
   np.testing.assert_allclose(float(m1["loss"]), float(m8["loss"]), rtol=1e-5, atol=1e-7)
