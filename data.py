@@ -773,6 +773,11 @@ class Rollout:
     for i, (c, lp) in enumerate(zip(comps, lps)):
       if not isinstance(lp, (np.ndarray, list)) or np.shape(lp) != c.shape:
         raise ValueError(f"{where}: logprobs[{i}] must be {len(c)} log-probs, one per completion token")
+      # The numerical firewall's first line: a non-finite log-prob (one bad worker chip) would make the loss NaN.
+      bad = ~np.isfinite(np.asarray(lp, np.float64))
+      if bad.any():
+        raise ValueError(f"{where}: logprobs[{i}] has {int(bad.sum())} non-finite values (first at token "
+                         f"{int(np.argmax(bad))})")
     stats = {k: v for k, v in d.items()
              if k not in _ROLLOUT_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)}
     return cls(d["id"], d["version"], str(d.get("worker", "")), _problem_from_wire(d, where),

@@ -69,10 +69,12 @@ def answer(c, how=None):
   'malformed': no rewards field), then the prompt is acked. Returns the items answered (data.PromptItem)."""
   seen = []
   for it in c.get("prompts", 100):
-    h = (how or {}).get(it["id"], {})
+    h = (how or {}).get(it["id"].split(".")[-1] if it["id"].startswith("c") else it["id"], {})  # curation: c<tag>.<i>
     w = wire_rollout(it, h.get("version", 0), h.get("rewards", (1.0, 0.0)))
     if h.get("malformed"):
       del w["rewards"]
+    if h.get("nan_logprob"):  # one bad worker chip
+      w["logprobs"][0] = np.array([-0.1, np.nan], np.float32)
     c.put("rollouts", [w])
     c.ack("prompts", [it["id"]])
     seen.append(data.PromptItem.from_wire(it))
@@ -110,26 +112,27 @@ def collector(server, **kw):
 
 def test_collect_skips_zero_variance_stale_and_malformed_and_acks_only_after_the_commit(server):
   c, col = collector(server)
-  col.issue(5)
-  items = answer(c, {"s1": dict(rewards=(1.0, 1.0)), "s2": dict(version=-5), "s3": dict(malformed=True)})
-  assert [it.id for it in items] == ["s0", "s1", "s2", "s3", "s4"] and items[0].group_size == 2
+  col.issue(6)
+  items = answer(c, {"s1": dict(rewards=(1.0, 1.0)), "s2": dict(version=-5), "s3": dict(malformed=True),
+                     "s4": dict(nan_logprob=True)})
+  assert [it.id for it in items] == ["s0", "s1", "s2", "s3", "s4", "s5"] and items[0].group_size == 2
   assert items[0].prompt_tokens.tolist() == [2] + [4 + ord(ch) % 20 for ch in items[0].problem.prompt]
   got = col.collect(2, 0, Stop())
-  assert [g.id for g in got.groups] == ["s0", "s4"] and got.skipped == ["s1", "s2", "s3"]
-  assert (got.zero_var, got.stale, got.malformed, got.duplicates) == (1, 1, 1, 0)
+  assert [g.id for g in got.groups] == ["s0", "s5"] and got.skipped == ["s1", "s2", "s3", "s4"]
+  assert (got.zero_var, got.stale, got.malformed, got.duplicates) == (1, 1, 2, 0)
   assert got.groups[0].stats == dict(worker_tok_s=10.0) and got.groups[0].worker == "w0"
   # The stale and the malformed rollout's prompts went out again, same prompt, new ids.
   again = {it["id"]: it for it in c.get("prompts", 100) if it["id"].endswith("r")}
-  assert sorted(again) == ["s2r", "s3r"]
+  assert sorted(again) == ["s2r", "s3r", "s4r"]  # the NaN rollout's prompt too: nothing lost
   assert again["s2r"]["prompt_tokens"].tolist() == items[2].prompt_tokens.tolist()
   assert not col.tracker.stats  # pass rates count only once the step is trained
   col.step_done()
-  assert sorted(col.tracker.stats) == sorted(items[i].problem.id for i in (0, 1, 4))
-  assert c.stats()["queues"]["rollouts"]["leased"] == 5  # consumed, but nothing acked before a checkpoint
+  assert sorted(col.tracker.stats) == sorted(items[i].problem.id for i in (0, 1, 5))
+  assert c.stats()["queues"]["rollouts"]["leased"] == 6  # consumed, but nothing acked before a checkpoint
   st = col.state_dict()
-  assert st["consumed"]["count"] == 5 and st["issued"] == col.issued and st["seq"] == col.seq
+  assert st["consumed"]["count"] == 6 and st["issued"] == col.issued and st["seq"] == col.seq
   col.saved()
-  assert c.stats()["queues"]["rollouts"]["leased"] == 5  # written asynchronously: acks wait for the commit
+  assert c.stats()["queues"]["rollouts"]["leased"] == 6  # written asynchronously: acks wait for the commit
   col.committed()
   q = c.stats()["queues"]["rollouts"]
   assert q["leased"] == q["ready"] == 0
@@ -168,8 +171,8 @@ def test_curation_rates_the_next_prompts_without_consuming_the_stream(server):
   c, col = collector(server, band=(0.0, 1.0))
   head = col.stream.peek(3)
   stop = threading.Event()
-  how = {f"c{i}": dict(rewards=r) for i, r in enumerate(((1.0, 1.0), (0.0, 0.0), (1.0, 0.0)))}
-  how["c3"] = dict(malformed=True)  # logged and left unrated: curation neither crashes nor waits for it
+  how = {str(i): dict(rewards=r) for i, r in enumerate(((1.0, 1.0), (0.0, 0.0), (1.0, 0.0)))}
+  how["3"] = dict(malformed=True)  # logged and left unrated: curation neither crashes nor waits for it
   t = threading.Thread(target=lambda: [answer(c, how) for _ in iter(lambda: stop.wait(0.05), True)], daemon=True)
   t.start()
   try:
