@@ -286,6 +286,10 @@ def flash_attention(q, k, v, segment_ids=None, *, causal=True, block_q=128, bloc
     kv_ids = q_ids if segment_ids is not None else jnp.zeros((B, S), jnp.int32)
     pad = lambda ids, n: jnp.pad(ids, ((0, 0), (0, n)), constant_values=PAD_SEGMENT)  # noqa: E731
     seg = (pad(q_ids, Tp - T)[:, :, None], pad(kv_ids, Sp - S)[:, None, :])
+    # TPU blocks: the last two dims a multiple of (8, 128) or the whole array dim; the kv ids are a [1, bk] row.
+    if bk % 128 and bk != Sp:
+      raise ValueError(f"block_k={block_k}: with segment ids (packed sequences, or padded keys without causality) "
+                       f"TPU needs block_k a multiple of 128, or at least the key length {S}")
 
   # [B,T,N,H] -> [B,K,G,T,H]: heads of one group adjacent, sequence second-minor (TPU sublanes).
   qt = jnp.pad(q.reshape(B, T, K, G, H), ((0, 0), (0, Tp - T), (0, 0), (0, 0), (0, 0))).transpose(0, 2, 3, 1, 4)

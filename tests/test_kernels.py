@@ -219,3 +219,33 @@ def test_model_forward_grad_decode_pallas_matches_ref():
   for name, a, b in zip(names, ker, ref):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
       _assert_close(x, y, 1e-5, name)
+
+
+# Lowering for TPU, on this CPU box: jax.export(..., platforms=["tpu"]) runs the Pallas TPU (Mosaic) lowering,
+# which enforces TPU's block rules (the last two block dims a multiple of 8 and 128, or the whole array dim). The
+# lowering asks the device kind for the chip's tiling; on CPU the answer is stubbed with a v5p's (jax's own table,
+# tpu_info.registry), so a block-rule violation fails CI here rather than on a pod.
+@pytest.mark.parametrize("heads", [(40, 8, 128), (14, 2, 64)], ids=["qwq32b", "qwen2.5-0.5b"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_kernels_lower_for_tpu_at_real_model_shapes(monkeypatch, heads, dtype):
+  from jax import export
+  from jax._src.pallas.mosaic import tpu_info
+  monkeypatch.setitem(tpu_info.registry, "cpu",
+                      lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5P, 1))
+  N, K, H = heads
+  S = lambda *s, dt=dtype: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
+  for T, causal in ((512, True), (300, True), (300, False)):  # packed segments; T not a block multiple
+    fwd_bwd = jax.value_and_grad(lambda q, k, v, s: kernels.flash.flash_attention(q, k, v, s, causal=causal).astype(
+        jnp.float32).sum(), argnums=(0, 1, 2))
+    exp = export.export(jax.jit(fwd_bwd), platforms=["tpu"])(S(1, T, N, H), S(1, T, K, H), S(1, T, K, H),
+                                                            S(1, T, dt=jnp.int32))
+    assert "tpu_custom_call" in exp.mlir_module()
+  for Sc in (300, 1024):  # a partial last block (300 = 256 + 44) and whole blocks
+    exp = export.export(jax.jit(kernels.decode.ragged_decode_attention), platforms=["tpu"])(
+        S(4, N, H), S(4, K, H, Sc), S(4, K, Sc, H), S(4, dt=jnp.int32))
+    assert "tpu_custom_call" in exp.mlir_module()
+  # The kernel's own check follows the TPU rule: with segment ids the kv ids are a [1, block_k] row, so a block_k
+  # that is not a multiple of 128 is refused before lowering (it lowered for CPU interpret mode, failed on TPU).
+  with pytest.raises(ValueError, match="multiple of 128"):
+    kernels.flash.flash_attention(jnp.zeros((1, 256, N, H), dtype), jnp.zeros((1, 256, K, H), dtype),
+                                  jnp.zeros((1, 256, K, H), dtype), jnp.ones((1, 256), jnp.int32), block_k=64)
