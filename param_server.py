@@ -21,6 +21,9 @@ Messages (T: needs the shared token, which a client sends once per connection wi
             staged here; built once per (piece, sub-slice, base) for the whole fleet and cached beside its
             version (gone with it, never more than its own bytes)
   PUT T, GET T, ACK T, REQUEUE T, FAIL T: the leased queues (see Client); STATS; AUTH T
+  REGISTER T  a trainer's start: returns a new trainer epoch (persisted with run_dir). Every request that carries an
+            older "epoch" than the newest registered is refused ("fenced"): one trainer per run, even one started
+            by hand beside a supervised one cannot ack, issue, lease or commit, so no step is trained twice
 
 Guarantees:
   - Bounded memory: every length is capped before it is read (headers by untrusted_header_kb until the connection
@@ -72,12 +75,12 @@ MAGIC, PROTOCOL_VERSION = b"RLPS", 1
 PREFIX = struct.Struct("<4sHHIQ")  # magic, protocol version, message type, header len, payload len
 LATEST, PUT, GET, ACK, REQUEUE, STATS = range(3, 9)
 STAGE, STAGED, COMMIT, MANIFEST, FETCH, DELTA = range(9, 15)
-AUTH, FAIL = 32, 33
+AUTH, FAIL, REGISTER = 32, 33, 34
 OK, ERROR = 64, 65
 REQUEST_TYPES = {LATEST: "latest", PUT: "put", GET: "get", ACK: "ack", REQUEUE: "requeue", STATS: "stats",
                  STAGE: "stage", STAGED: "staged", COMMIT: "commit", MANIFEST: "manifest", FETCH: "fetch",
-                 DELTA: "delta", AUTH: "auth", FAIL: "fail"}
-NEEDS_TOKEN = {PUT, GET, ACK, REQUEUE, STAGE, COMMIT, AUTH, FAIL}
+                 DELTA: "delta", AUTH: "auth", FAIL: "fail", REGISTER: "register"}
+NEEDS_TOKEN = {PUT, GET, ACK, REQUEUE, STAGE, COMMIT, AUTH, FAIL, REGISTER}
 MAX_JSON_DEPTH = 32   # headers are flat records; deep nesting only costs the parser (and recursion) memory
 MAX_NDIM = 32
 CHUNK = 8 << 20  # socket I/O granularity: big enough to amortize syscalls, small enough for rate deadlines
@@ -101,6 +104,10 @@ class QueueFullError(RuntimeError):
 
 class StorageError(RuntimeError):
   """The server could not make a put/ack/fail durable (disk full, I/O error): nothing changed; retry later."""
+
+
+class FencedError(RuntimeError):
+  """A newer trainer registered (Client.register_trainer): this one must stop; nothing it asked was done."""
 
 
 class _Refused(Exception):
@@ -1225,7 +1232,11 @@ class Server:
         STAGE: (w.stage, big), STAGED: (w.staged_table, 0), COMMIT: (w.commit, big), MANIFEST: (w.manifest, 0),
         FETCH: (w.fetch, 0), DELTA: (w.delta, 0), LATEST: (lambda h, p: ({"version": w.latest()}, ()), 0),
         PUT: (q.put, q.max_put), GET: (q.get, 0), ACK: (q.ack, 0), REQUEUE: (q.requeue, 0), FAIL: (q.fail, 0),
-        AUTH: (lambda h, p: ({"authenticated": True}, ()), 0), STATS: (lambda h, p: (self.stats(), ()), 0)}
+        AUTH: (lambda h, p: ({"authenticated": True}, ()), 0), STATS: (lambda h, p: (self.stats(), ()), 0),
+        REGISTER: (self._register, 0)}
+    self._epoch_lock = threading.Lock()
+    self._epoch_path = os.path.join(cfg.run_dir, "trainer_epoch") if cfg.run_dir else None
+    self.epoch = int(open(self._epoch_path).read()) if self._epoch_path and os.path.exists(self._epoch_path) else 0
     self._conns = {}                            # socket -> _Conn
     self._conn_lock = threading.Lock()
     self._threads = []
@@ -1425,6 +1436,8 @@ class Server:
       raise _Refused("auth", f"{name} refused: {why}")
     payload = _Payload(c.sock, plen, self._deadline(plen))
     try:
+      if "epoch" in header:
+        self._fence(name, header["epoch"])
       reply = handler(header, payload)
     except (_Refused, ValueError, KeyError, TypeError) as e:
       if isinstance(e, ProtocolError):
@@ -1441,6 +1454,22 @@ class Server:
       if len(reply) > 2:
         reply[2]()
       raise
+
+
+  def _register(self, h, payload):
+    with self._epoch_lock:
+      self.epoch += 1
+      if self._epoch_path:  # durable before it is answered: a restarted server must keep fencing older trainers
+        common.write_atomic(self._epoch_path, str(self.epoch), fsync=True)
+      log.info("trainer epoch %d registered", self.epoch)
+      return {"epoch": self.epoch}, ()
+
+  def _fence(self, name, epoch):
+    with self._epoch_lock:
+      if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < self.epoch:
+        raise _Refused("fenced", f"{name} from trainer epoch {epoch!r} refused: trainer epoch {self.epoch} "
+                                 f"registered since (one trainer per run: this one must stop)")
+      self.epoch = epoch  # a server without run_dir restarted at 0: the first epoch it hears raises the floor
 
 
 def _opens_with_auth(conn):
@@ -1500,7 +1529,8 @@ def read_token(path):
 
 
 _ERRORS = {"auth": PermissionError, "bad_request": ValueError, "stale_version": ValueError,
-           "protocol": ProtocolError, "checksum": ChecksumError, "timeout": TimeoutError, "storage": StorageError}
+           "protocol": ProtocolError, "checksum": ChecksumError, "timeout": TimeoutError, "storage": StorageError,
+           "fenced": FencedError}
 
 
 class Client:
@@ -1513,6 +1543,7 @@ class Client:
   def __init__(self, host="127.0.0.1", port=5555, token=None, timeout_s=30.0, retries=8, backoff_s=0.05,
                max_backoff_s=2.0):
     self.host, self.port, self.token = host, port, token
+    self.epoch = None  # set by register_trainer: then sent with every request, so a newer trainer fences this one
     self.timeout_s, self.retries, self.backoff_s, self.max_backoff_s = timeout_s, retries, backoff_s, max_backoff_s
     self._sock = None
     self._lock = threading.Lock()
@@ -1534,6 +1565,8 @@ class Client:
       if not self.token:
         raise PermissionError(f"{REQUEST_TYPES[mtype]} needs the shared token (Client(token=...))")
       header = dict(header, token=self.token)
+    if self.epoch is not None:
+      header = dict(header, epoch=self.epoch)
     last = None
     with self._lock:
       for attempt in range(self.retries + 1):
@@ -1592,6 +1625,12 @@ class Client:
     return h, buf, False
 
   # -- weights (one Client per shard server; the manifest lives on the first)
+
+  def register_trainer(self) -> int:
+    """A trainer's start: a new epoch, sent with every later request of this client; older trainers are fenced."""
+    self.epoch = None
+    self.epoch = self._request(REGISTER, {})[0]["epoch"]
+    return self.epoch
 
   def latest_version(self) -> int:
     """The newest committed version, -1 if none."""

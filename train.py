@@ -359,6 +359,8 @@ def run_rl():
     state = {k: st[k] for k in ("step", "version", "seed", "curated") if k in st}
     logging.info("resumed at step %d", state["step"])
   if lead:
+    # One trainer per run: from now on any older trainer still talking to the server is refused (fenced).
+    logging.info("trainer epoch %d", servers[0].register_trainer())
     servers[0].requeue("rollouts")  # leases held by a previous incarnation of this trainer come back now
   # The workers' sampling settings travel with the weights (manifest header fields): one source of truth for
   # what the loss scores. max_prompt_len: the longest kept prompt, so the workers size their KV cache from it.
@@ -1264,7 +1266,11 @@ def main(argv):
   if FLAGS.tokenizer is None:
     raise app.UsageError("--tokenizer is required")
   os.makedirs(FLAGS.run_dir, exist_ok=True)
-  run_sft() if FLAGS.mode == "sft" else run_rl()
+  try:
+    run_sft() if FLAGS.mode == "sft" else run_rl()
+  except param_server.FencedError as e:  # not a crash to retry: another trainer owns the run now
+    logging.error("another trainer registered on this run's server; this one stops: %s", e)
+    sys.exit(3)
 
 
 if __name__ == "__main__":

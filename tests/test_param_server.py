@@ -734,3 +734,35 @@ def test_storage_error_is_reported_as_such_and_nothing_changes(tmp_path, monkeyp
   srv = make_server(run_dir=str(tmp_path))  # the torn bytes were cut off: the record after them survived
   assert [x["id"] for x in client(srv).get("q", 10)] == ["b"]
   srv.stop()
+
+
+def test_a_newer_trainer_fences_the_older_one_also_across_a_server_restart(tmp_path):
+  """One trainer per run, enforced by the server: after a second trainer registers, every request of the first
+  (issue prompts, lease or ack rollouts, commit a manifest) is refused with FencedError and changes nothing; a
+  worker (no epoch) is unaffected; the epoch survives a server restart (run_dir)."""
+  cfg = ps.ServerConfig(token="t", run_dir=str(tmp_path / "srv"))
+  srv = ps.Server(cfg).start()
+  try:
+    old, new, worker = (ps.Client(port=srv.port, token="t", timeout_s=5.0) for _ in range(3))
+    assert old.register_trainer() == 1
+    old.put("prompts", [dict(id="p0", x=1)])
+    worker.put("rollouts", [dict(id="r0", x=1)])
+    assert new.register_trainer() == 2
+    for call in (lambda: old.put("prompts", [dict(id="p1", x=1)]), lambda: old.get("rollouts", 1),
+                 lambda: old.ack("rollouts", ["r0"]), lambda: old.requeue("rollouts"),
+                 lambda: old.commit(dict(version=0, servers=[], tensors={}))):
+      with pytest.raises(ps.FencedError, match="trainer epoch 2 registered since"):
+        call()
+    assert [it["id"] for it in worker.get("prompts", 10)] == ["p0"]  # p1 was never stored
+    assert [it["id"] for it in new.get("rollouts", 10)] == ["r0"]  # the fenced get leased nothing
+    new.ack("rollouts", ["r0"])
+  finally:
+    srv.stop()
+  srv = ps.Server(cfg).start()
+  try:
+    old.port = new.port = srv.port
+    with pytest.raises(ps.FencedError):
+      old.put("prompts", [dict(id="p2", x=1)])
+    new.put("prompts", [dict(id="p3", x=1)])
+  finally:
+    srv.stop()
