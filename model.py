@@ -31,7 +31,6 @@ Example:  cfg, params = load_hf_checkpoint("/ckpt/Qwen2.5-0.5B", dtype=jnp.bfloa
 """
 import dataclasses
 import functools
-import itertools
 import json
 import math
 import os
@@ -573,9 +572,12 @@ def _np_dtype(dtype):
   return d
 
 
-def load_hf_checkpoint(path, dtype=None):
+def load_hf_checkpoint(path, dtype=None, mesh=None):
   """(cfg, params) of an HF checkpoint directory (config.json + model.safetensors or index.json shards); dtype None
-  keeps the embedding's. ValueError names the file and tensor that is missing, unexpected, mis-shaped or bad."""
+  keeps the embedding's. With a mesh every param is built in its sharding (param_shardings) from the slices this
+  process's devices hold, each read straight from safetensors: no process reads, and no device holds, a whole
+  tensor it does not keep (a 32B model never lands on one chip). Without one, whole arrays on the default device.
+  ValueError names the file and tensor that is missing, unexpected, mis-shaped or non-finite."""
   from safetensors import safe_open  # numpy API; bf16 arrives as ml_dtypes.bfloat16
   cfg = Config.from_hf(path)
   index_fn = os.path.join(path, "model.safetensors.index.json")
@@ -590,70 +592,108 @@ def load_hf_checkpoint(path, dtype=None):
   if not files:
     raise ValueError(f"{path}: no *.safetensors files")
   handles, where = {}, {}
-  try:
-    for fn in files:
-      full = os.path.join(path, fn)
-      if not os.path.isfile(full):
-        raise ValueError(f"{index_fn}: lists missing file {fn!r}")
-      try:
-        handles[fn] = safe_open(full, framework="numpy")
-      except Exception as e:  # SafetensorError on a truncated or corrupt header
-        raise ValueError(f"{full}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-      where.update(dict.fromkeys(handles[fn].keys(), fn))
-    if dtype is None:
-      if "model.embed_tokens.weight" not in where:
-        raise ValueError(f"{path}: missing tensor 'model.embed_tokens.weight'")
-      dtype = handles[where["model.embed_tokens.weight"]].get_slice("model.embed_tokens.weight").get_dtype()
-      dtype = _HF_DTYPES.get(dtype, dtype)
-    dtype = _np_dtype(dtype)
+  for fn in files:
+    full = os.path.join(path, fn)
+    if not os.path.isfile(full):
+      raise ValueError(f"{index_fn}: lists missing file {fn!r}")
+    try:
+      handles[fn] = safe_open(full, framework="numpy")
+    except Exception as e:  # SafetensorError on a truncated or corrupt header
+      raise ValueError(f"{full}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    where.update(dict.fromkeys(handles[fn].keys(), fn))
+  if dtype is None:
+    if "model.embed_tokens.weight" not in where:
+      raise ValueError(f"{path}: missing tensor 'model.embed_tokens.weight'")
+    dtype = handles[where["model.embed_tokens.weight"]].get_slice("model.embed_tokens.weight").get_dtype()
+    dtype = _HF_DTYPES.get(dtype, dtype)
+  dtype = _np_dtype(dtype)
+  # Every tensor's presence and shape from the headers alone, before any data is read.
+  names = {}  # our path -> [(layer, HF name, n_in, per-layer shape)]
+  for key, layer, hf_name, n_in, shape in _hf_names(cfg):
+    if hf_name not in where:
+      raise ValueError(f"{path}: missing tensor {hf_name!r} (config {cfg.arch}, tie={cfg.tie_embeddings})")
+    got = tuple(handles[where[hf_name]].get_slice(hf_name).get_shape())
+    if got != _hf_shape(n_in, shape):
+      raise ValueError(f"{where[hf_name]}: tensor {hf_name!r} has shape {got}, config implies {_hf_shape(n_in, shape)}")
+    names.setdefault(key, []).append((layer, hf_name, n_in, shape))
+  # Derived buffers we recompute, and a redundant lm_head in tied checkpoints, are fine to skip.
+  seen = {e[1] for v in names.values() for e in v}
+  extra = [n for n in where if n not in seen and not n.endswith("rotary_emb.inv_freq")
+           and not (cfg.tie_embeddings and n == "lm_head.weight")]
+  if extra:
+    raise ValueError(f"{where[extra[0]]}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in total)")
 
-    axes = param_axes(cfg)
-    out = {n: None for n in axes if n != "layers"}
-    out["layers"] = {n: np.empty(s, dtype) for n, (s, _) in axes["layers"].items()}
-    for key, layer, hf_name, n_in, shape in _hf_names(cfg):
-      if hf_name not in where:
-        raise ValueError(f"{path}: missing tensor {hf_name!r} (config {cfg.arch}, tie={cfg.tie_embeddings})")
-      try:
-        w = handles[where[hf_name]].get_tensor(hf_name)
-      except Exception as e:  # data section shorter than the header says (a truncated copy)
-        raise ValueError(f"{os.path.join(path, where[hf_name])}: cannot read tensor {hf_name!r} "
-                         f"({type(e).__name__}: {e}); truncated file?") from None
-      if not np.isfinite(w).all():  # a NaN/inf weight would silently poison every step and rollout
-        raise ValueError(f"{where[hf_name]}: tensor {hf_name!r} has non-finite values "
-                         f"({int((~np.isfinite(w)).sum())} of {w.size})")
-      if w.shape != _hf_shape(n_in, shape):
-        raise ValueError(f"{where[hf_name]}: tensor {hf_name!r} has shape {w.shape}, config implies "
-                         f"{_hf_shape(n_in, shape)}")
-      w = w.astype(dtype)
-      w = w.reshape(shape) if n_in in (None, "same") else np.ascontiguousarray(w.T).reshape(shape)
-      if layer is None:
-        out[key[0]] = w
-      else:
-        out["layers"][key[1]][layer] = w
-    # Derived buffers we recompute, and a redundant lm_head in tied checkpoints, are fine to skip.
-    seen = {e[2] for e in _hf_names(cfg)}
-    extra = [n for n in where if n not in seen and not n.endswith("rotary_emb.inv_freq")
-             and not (cfg.tie_embeddings and n == "lm_head.weight")]
-    if extra:
-      raise ValueError(f"{where[extra[0]]}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in total)")
+  def read(hf_name, n_in, shape, idx):
+    try:
+      w = _read_slice(handles[where[hf_name]].get_slice(hf_name), n_in, shape, idx)
+    except Exception as e:  # data section shorter than the header says (a truncated copy)
+      raise ValueError(f"{os.path.join(path, where[hf_name])}: cannot read tensor {hf_name!r} "
+                       f"({type(e).__name__}: {e}); truncated file?") from None
+    if not np.isfinite(w).all():  # a NaN/inf weight would silently poison every step and rollout
+      raise ValueError(f"{where[hf_name]}: tensor {hf_name!r} has non-finite values "
+                       f"({int((~np.isfinite(w)).sum())} of {w.size})")
+    return w.astype(dtype)
+
+  def leaf(key, sharding):
+    parts = names[key]
+    layered = parts[0][0] is not None
+    shape = ((cfg.n_layers,) if layered else ()) + tuple(parts[0][3])
+
+    @functools.lru_cache(maxsize=None)  # devices holding the same slice (replicas) read it once
+    def piece(idx):
+      idx = tuple(slice(*s) for s in idx)
+      if not layered:
+        return read(parts[0][1], parts[0][2], shape, idx)
+      return np.stack([read(hf, n_in, shape[1:], idx[1:]) for _, hf, n_in, _ in parts[idx[0]]])
+    return jax.make_array_from_callback(shape, sharding, lambda idx: piece(
+        tuple(s.indices(d) for s, d in zip(idx, shape))))
+
+  shardings = (param_shardings(cfg, mesh) if mesh is not None else
+               jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), param_axes(cfg),
+                            is_leaf=_is_leaf))
+  try:
+    out = {n: leaf((n,), shardings[n]) for n in shardings if n != "layers"}
+    out["layers"] = {n: leaf(("layers", n), shardings["layers"][n]) for n in shardings["layers"]}
   finally:
     handles.clear()
-  return cfg, jax.tree.map(jnp.asarray, out)
+  return cfg, out
+
+
+def _read_slice(sl, n_in, shape, idx):
+  """Our tensor's slice idx (slices over our per-layer `shape`) from an HF tensor's safetensors slice `sl`,
+  reading only the HF rows and columns of the leading dim of our in dims and of our out dims (the trailing dims of
+  each group are read whole, then cut): HF Linear weights are [out..., in...] flattened to 2-D, ours [in..., out...]."""
+  def span(sls, dims):  # a group's flat HF range covering its first dim's slice, and the cuts of the rest
+    inner = math.prod(dims[1:])
+    return slice(sls[0].start * inner, sls[0].stop * inner), (sls[0].stop - sls[0].start, *dims[1:]), sls[1:]
+  if n_in == "same":  # same layout as HF (the embedding)
+    return sl[tuple(idx)]
+  if n_in is None:  # a vector HF stores flat (norms, biases [N*H] <- [N, H])
+    rows, box, rest = span(idx, shape)
+    return sl[rows].reshape(box)[(slice(None), *rest)]
+  (ri, bi, ci), (ro, bo, co) = span(idx[:n_in], shape[:n_in]), span(idx[n_in:], shape[n_in:])
+  w = sl[ro, ri].T.reshape(*bi, *bo)  # [in rows, out rows] -> our layout
+  return np.ascontiguousarray(w[(slice(None), *ci, slice(None), *co)])
 
 
 def save_hf_checkpoint(path, cfg, params, dtype=None):
   """save_hf_checkpoint_streamed of params (fully addressable from this process); dtype None: the params'."""
-  leaf = lambda key: np.asarray(jax.device_get(params[key[0]] if len(key) == 1 else params["layers"][key[1]]))
-  save_hf_checkpoint_streamed(path, cfg, leaf, params["embed"].dtype if dtype is None else dtype)
+  def piece(key, layer, axis, rows):
+    x = params[key[0]] if len(key) == 1 else params["layers"][key[1]][layer]
+    return np.asarray(jax.device_get(x if axis is None else jax.lax.slice_in_dim(x, rows.start, rows.stop, axis=axis)))
+  save_hf_checkpoint_streamed(path, cfg, piece, params["embed"].dtype if dtype is None else dtype)
 
 
-def save_hf_checkpoint_streamed(path, cfg, get_leaf, dtype, write=True):
-  """Writes config.json + one model.safetensors (HF Linear weights [out,in]; transformers loads it) holding one of
-  our tensors in host memory at a time: get_leaf(("layers", "wq")) returns it as numpy (e.g. gathered from a
-  sharded trainer). The header follows from the shapes, so it is written first and the bytes stream after it.
-  write=False only calls get_leaf (the other processes of a collective gather)."""
+def save_hf_checkpoint_streamed(path, cfg, get_piece, dtype, write=True, chunk_bytes=256 << 20):
+  """Writes config.json + one model.safetensors (HF Linear weights [out,in]; transformers loads it) one piece at a
+  time: get_piece(key, layer, axis, rows) returns, as numpy, our tensor `key` (e.g. ("layers", "wq")) of `layer`
+  (None: not layer-stacked), cut to `rows` (a slice) along `axis` (None: whole), where the cut is whole HF rows:
+  the first out dim of a Linear weight, dim 0 of the embedding. Pieces hold at most ~chunk_bytes, so a sharded
+  trainer gathers one layer's slice at a time (train.export_hf), never a whole tensor. The header follows from
+  the shapes, so it is written first and the bytes stream after it. write=False only calls get_piece (the other
+  processes of a collective gather)."""
   dtype = _np_dtype(dtype)
-  names = list(_hf_names(cfg))  # the HF tensors of each of our tensors come together
+  names = list(_hf_names(cfg))
   header, off = {}, 0
   for _, _, hf_name, n_in, shape in names:
     hf_shape = _hf_shape(n_in, shape)
@@ -671,15 +711,14 @@ def save_hf_checkpoint_streamed(path, cfg, get_leaf, dtype, write=True):
     f = open(os.path.join(path, "model.safetensors"), "wb")
     f.write(len(hb).to_bytes(8, "little") + hb)
   try:
-    for key, group in itertools.groupby(names, key=lambda e: e[0]):
-      w = get_leaf(key)
-      if f is None:
-        continue
-      for _, layer, hf_name, n_in, _ in group:
-        t = _to_hf((w if layer is None else w[layer]).astype(dtype), n_in)
-        assert list(t.shape) == header[hf_name]["shape"], (hf_name, t.shape)
-        f.write(t.tobytes())
-      del w
+    for key, layer, hf_name, n_in, shape in names:
+      axis = None if n_in is None else (0 if n_in == "same" else n_in)  # the axis of whole HF rows
+      step = (max(1, chunk_bytes // (math.prod(shape) // shape[axis] * dtype.itemsize)) if axis is not None else 1)
+      for r in range(0, 1 if axis is None else shape[axis], step):
+        w = get_piece(key, layer, axis, None if axis is None else slice(r, min(r + step, shape[axis])))
+        if f is not None:
+          f.write(_to_hf(w.astype(dtype), n_in).tobytes())
+        del w
   finally:
     if f is not None:
       f.close()

@@ -60,15 +60,14 @@ def define_flags():
                        "the worker treats itself as broken and exits (count). Default 8.")
   # Eval mode.
   flags.DEFINE_string("eval_task", "arithmetic", "Built-in task for eval (ignored with --eval_jsonl). Default arithmetic.")
-  flags.DEFINE_integer("eval_difficulty", 3, "Built-in task difficulty for eval. Default 3.")
-  flags.DEFINE_string("eval_ops", None, "Operators of the built-in eval task, e.g. + (data.make_task_problems). "
-                      "Default none: the task's own.")
+  flags.DEFINE_string("eval_task_args", "", "The built-in eval task's own options, name=value,... e.g. "
+                      "difficulty=2,ops=+ (as train.py --task_args). Default empty: the task's defaults.")
   flags.DEFINE_string("eval_jsonl", None, "Held-out jsonl prompts instead of a built-in task. Default none.")
   flags.DEFINE_integer("eval_n", 200, "Number of held-out problems. Default 200.")
   flags.DEFINE_integer("k", 8, "Samples per problem; reports pass@1 and pass@k. Default 8.")
   flags.DEFINE_string("out", None, "Write eval metrics as JSON here. Default none.")
   # Bad values fail at flag parsing, before any work starts, with the flag and its value named.
-  for name in ("slots", "chunk_steps", "max_prompt_len", "eval_difficulty", "eval_n", "k"):
+  for name in ("slots", "chunk_steps", "max_prompt_len", "eval_n", "k"):
     flags.register_validator(name, lambda v: v >= 1, message=f"--{name} must be >= 1")
   positive = lambda v: math.isfinite(v) and v > 0  # noqa: E731
   nonneg = lambda v: math.isfinite(v) and v >= 0  # noqa: E731
@@ -77,6 +76,14 @@ def define_flags():
                          ("drain_s", nonneg, "finite and >= 0"), ("lease_s", positive, "finite and > 0"),
                          ("verifier_timeout_s", positive, "finite and > 0")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
+  flags.register_multi_flags_validator(["eval_task", "eval_task_args", "eval_jsonl"], check_eval_task_flags, message="")
+
+
+def check_eval_task_flags(f):
+  """--eval_task_args must suit --eval_task (unless --eval_jsonl replaces it): refused at parse time."""
+  if not f["eval_jsonl"] and (err := data.task_args_error(f["eval_task"], f["eval_task_args"])):
+    raise flags.ValidationError(err)
+  return True
 
 
 # --- Sampling ----------------------------------------------------------------------------------------------------
@@ -801,12 +808,15 @@ def run_eval():
   """pass@1 and pass@k of --checkpoint over --eval_n problems, --k samples each: the mean over problems and its
   standard error (the problems are the independent draws)."""
   tok = data.load_tokenizer(FLAGS.tokenizer)
-  cfg, params = model.load_hf_checkpoint(FLAGS.checkpoint)
+  # The worker's mesh (tensor parallel over --tensor_parallel local devices), the checkpoint read straight into it.
+  mesh = model.make_mesh(1, 1, FLAGS.tensor_parallel, devices=jax.local_devices())
+  jax.set_mesh(mesh)
+  cfg, params = model.load_hf_checkpoint(FLAGS.checkpoint, mesh=mesh)
   if FLAGS.eval_jsonl:
     problems = data.load_jsonl(FLAGS.eval_jsonl)[:FLAGS.eval_n]
   else:
-    problems = data.make_task_problems(FLAGS.eval_task, FLAGS.eval_n, FLAGS.eval_difficulty, seed=1234,
-                                       split="eval", ops=FLAGS.eval_ops)
+    problems = data.make_task_problems(FLAGS.eval_task, FLAGS.eval_n, seed=1234, split="eval",
+                                       **data.parse_task_args(FLAGS.eval_task_args))
   sc = SamplingConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.max_new_tokens, tuple(sorted(tok.stop_ids)))
   chat = data.load_chat_template(FLAGS.tokenizer) if FLAGS.template == "hf" else None
   enc = {p.id: tok.encode(data.render_prompt(p, FLAGS.template, chat_template=chat), add_bos=True) for p in problems}

@@ -252,7 +252,7 @@ def init_learner(mesh, cfg, init):
   lcfg = loss_config(losses.ALGORITHMS[FLAGS.algo], FLAGS.loss_override, FLAGS.max_new_tokens)
   compute_dtype = jnp.dtype(FLAGS.param_dtype)
   optimizer = make_optimizer(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps, FLAGS.weight_decay, FLAGS.grad_clip)
-  policy = model.shard_params(jax.tree.map(jnp.asarray, init), cfg, mesh)  # fp32 master weights
+  policy = model.shard_params(init, cfg, mesh)  # fp32 master weights (already in place when loaded with the mesh)
   # PPO's value head (only when the advantage estimator is GAE): a linear map of the final hidden state.
   params = dict(policy=policy, value=dict(w=jnp.zeros((cfg.d_model,), jnp.float32), b=jnp.zeros((), jnp.float32))
                 if lcfg.advantage == "gae" else None)
@@ -339,7 +339,7 @@ def run_rl():
   if FLAGS.init_checkpoint is None:
     raise app.UsageError("--mode=rl needs --init_checkpoint (an HF checkpoint dir)")
   tok = data.load_tokenizer(FLAGS.tokenizer)
-  cfg, init = model.load_hf_checkpoint(FLAGS.init_checkpoint, dtype=jnp.float32)
+  cfg, init = model.load_hf_checkpoint(FLAGS.init_checkpoint, dtype=jnp.float32, mesh=mesh)  # read sharded
   lcfg, params, opt_state, ref_params, train_step = init_learner(mesh, cfg, init)
   encode, problems, max_prompt, buckets = training_prompts(cfg, tok, "flags.json")
   servers = connect_servers()
@@ -871,31 +871,35 @@ class Checkpointer:
     self.mngr.close()
 
 
-def export_hf(out, cfg, params, dtype=None, tokenizer_src=None, sampling=None):
-  """HF safetensors from (possibly cross-process sharded) params, gathering one tensor at a time; process 0
-  writes. Collective: every process calls it. Written to out.tmp and renamed (complete or absent). With
-  tokenizer_src, the tokenizer files and a generation_config.json go beside it, so transformers'
-  AutoTokenizer/AutoModelForCausalLM.from_pretrained(out) load the export as is (sampling: the run's temperature,
-  top_p and max_new_tokens for generation_config.json)."""
+def export_hf(out, cfg, params, dtype=None, tokenizer_src=None, sampling=None, chunk_bytes=256 << 20):
+  """HF safetensors from (possibly cross-process sharded) params; process 0 writes. Collective: every process
+  calls it. Pieces are gathered one layer's slice (or <= 256 MiB of HF rows) at a time, so no device ever holds a
+  whole layer-stacked tensor (one QwQ-32B w_up is 33.8 GiB fp32). Written to out.tmp and renamed (complete or
+  absent). With tokenizer_src, the tokenizer files go beside it and generation_config.json carries the run's
+  sampling (temperature, top_p, max_new_tokens), so transformers' from_pretrained(out) loads and samples as the
+  run did."""
   lead = jax.process_index() == 0
   flat = param_server.flatten(params)
 
-  def get_leaf(key):
+  def get_piece(key, layer, axis, rows):
     x = flat["/".join(key)]
+    x = x if layer is None else x[layer]
+    x = x if axis is None else jax.lax.slice_in_dim(x, rows.start, rows.stop, axis=axis)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True) if jax.process_count() > 1 else x)
 
-  model.save_hf_checkpoint_streamed(out + ".tmp", cfg, get_leaf, dtype or params["embed"].dtype, write=lead)
+  model.save_hf_checkpoint_streamed(out + ".tmp", cfg, get_piece, dtype or params["embed"].dtype, write=lead,
+                                    chunk_bytes=chunk_bytes)
   if lead and tokenizer_src:
     src = tokenizer_src if os.path.isdir(tokenizer_src) else os.path.dirname(os.path.abspath(tokenizer_src))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                  "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt"):
       if os.path.exists(os.path.join(src, name)):
         shutil.copy(os.path.join(src, name), os.path.join(out + ".tmp", name))
-    gen = os.path.join(out + ".tmp", "generation_config.json")
-    if not os.path.exists(gen):
-      with open(gen, "w") as f:
-        json.dump(dict(bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids) or None,
-                       do_sample=True, **(sampling or {})), f, indent=1)
+    gen_path = os.path.join(out + ".tmp", "generation_config.json")
+    gen = json.load(open(gen_path)) if os.path.exists(gen_path) else dict(
+        bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids) or None)
+    with open(gen_path, "w") as f:
+      json.dump(dict(gen, do_sample=True, **(sampling or {})), f, indent=1)
   if lead:
     shutil.rmtree(out, ignore_errors=True)
     os.rename(out + ".tmp", out)

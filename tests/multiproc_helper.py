@@ -113,9 +113,61 @@ def ckpt(n, i, port, d, start, stop, save_at):
   c.close()
 
 
+def placement(n, i, port, ckpt_dir, out):
+  """Issue 36: no leaf of the policy, the reference or the optimizer state is ever whole on one device, from the
+  load through a train step to the HF export; then the export is loaded onto a tensor-parallel worker mesh (eval).
+  Prints "PLACED <what> <n leaves>" per stage and "GATHERED <max bytes> <largest leaf bytes>" for the export."""
+  import dataclasses
+  import jax.numpy as jnp
+  from jax.experimental import multihost_utils
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import losses
+  import model
+  import train
+  from test_train import groups
+  init(n, i, port)
+  mesh = model.make_mesh(1, jax.device_count(), 1)
+  jax.set_mesh(mesh)
+
+  def check(what, tree, devices=None):
+    leaves = jax.tree.leaves(tree)
+    for x in leaves:  # on every device of the mesh (small vectors replicated), weight matrices split
+      assert len(x.sharding.device_set) == (devices or jax.device_count()), (what, x.shape, x.sharding)
+      assert x.size < 1024 or not x.sharding.is_fully_replicated, (what, x.shape, x.sharding)
+    print("PLACED", what, len(leaves), flush=True)
+  cfg, policy = model.load_hf_checkpoint(ckpt_dir, dtype=jnp.float32, mesh=mesh)
+  check("load", policy)
+  lcfg = dataclasses.replace(losses.ALGORITHMS["grpo"], kl_coef=0.04)
+  opt = train.make_optimizer(1e-2, 1, 10, 0.0, 1.0)
+  params = dict(policy=policy, value=None)
+  opt_state = jax.tree.map(jnp.copy, opt.init(params))
+  ref = jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), policy)
+  check("optimizer", [x for x in jax.tree.leaves(opt_state) if x.ndim >= 1])
+  check("reference", ref)
+  fn = lambda p, r, b: train.rl_loss(p, r, b, cfg=cfg, lcfg=lcfg, temperature=1.0,  # noqa: E731
+                                     compute_dtype=jnp.float32, attn_impl="ref", value_coef=0.5)
+  step = jax.jit(train.make_train_step(opt, fn, 1, lcfg.agg), donate_argnums=(0, 1),
+                 out_shardings=(*jax.tree.map(lambda x: x.sharding, (params, opt_state)), None))
+  batch, _, _ = train.rl_batch(groups(n_prompts=2, G=2), lcfg, 0, (16,), 8)
+  params, opt_state, m = step(params, opt_state, ref, train.to_global(batch, NamedSharding(mesh, P(("data", "fsdp")))))
+  assert bool(jnp.isfinite(m["loss"]))
+  check("train", (params["policy"], [x for x in jax.tree.leaves(opt_state) if x.ndim >= 1]))
+  gathered, real = [], multihost_utils.process_allgather
+  multihost_utils.process_allgather = lambda x, **kw: gathered.append(x.nbytes) or real(x, **kw)
+  train.export_hf(out, cfg, params["policy"], chunk_bytes=2048)
+  biggest = max(x.nbytes for x in jax.tree.leaves(params["policy"]))
+  print("GATHERED", max(gathered), biggest, flush=True)
+  multihost_utils.sync_global_devices("exported")
+  tp = model.make_mesh(1, 1, len(jax.local_devices()), devices=jax.local_devices())  # a worker's own devices
+  _, ev = model.load_hf_checkpoint(out, mesh=tp)
+  check("eval", ev, devices=len(jax.local_devices()))
+
+
 if __name__ == "__main__":
   mode, n, i, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
   if mode == "publish":
     publish(n, i, port, sys.argv[5], int(sys.argv[6]), int(sys.argv[7]) if len(sys.argv) > 7 else None)
+  elif mode == "placement":
+    placement(n, i, port, sys.argv[5], sys.argv[6])
   else:
     ckpt(n, i, port, sys.argv[5], int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8]))

@@ -225,6 +225,28 @@ def test_load_hf_sharded_index(ckpts, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, sharded, single)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_load_with_a_mesh_reads_each_slice_into_place(ckpts, family, monkeypatch):
+  """Loading onto a mesh: every param lands in its sharding (param_shardings), the values are the whole-array
+  load's bit for bit, and no read of a sharded tensor covers the whole tensor (each device's slice is read)."""
+  d, _ = ckpts[family]
+  _, single = M.load_hf_checkpoint(d)
+  reads = []
+  real = M._read_slice
+  monkeypatch.setattr(M, "_read_slice", lambda sl, n_in, shape, idx: reads.append(
+      (sl.get_shape(), out := real(sl, n_in, shape, idx))) or out)
+  mesh = M.make_mesh(1, 2, 4)
+  cfg, params = M.load_hf_checkpoint(d, mesh=mesh)
+  want = M.param_shardings(cfg, mesh)
+  for (path, x), s, y in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(want),
+                             jax.tree.leaves(single)):
+    assert x.sharding == s, path
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  sharded = {tuple(shape) for shape, _ in reads if len(shape) == 2}  # the 2-D (matrix) tensors
+  assert sharded and all(out.size < np.prod(shape) for shape, out in reads if len(shape) == 2)
+  assert len(params["layers"]["wq"].sharding.device_set) == 8
+
+
 def test_load_bf16_checkpoint(tmp_path):
   m16 = _hf_model("qwen2").to(torch.bfloat16)
   m16.save_pretrained(str(tmp_path))

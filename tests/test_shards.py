@@ -7,6 +7,7 @@ import sys
 
 import jax
 import numpy as np
+import safetensors.numpy
 import pytest
 
 import model
@@ -154,23 +155,28 @@ os.kill(os.getpid(), signal.SIGKILL)
   assert st == dict(step=1) and float(params["w"][7, 7]) == 1.0 and float(opt["m"][0]) == 0.0
 
 
-def test_streamed_hf_export_equals_the_reference_writer(tmp_path):
-  import safetensors.numpy
+def test_hf_export_gathers_bounded_pieces_and_round_trips(tmp_path):
+  """train.export_hf (the trainer's collective export) writes what loads back bit for bit; the writer asks for one
+  layer's slice at a time, cut into pieces of at most chunk_bytes (whole HF rows), never a layer-stacked tensor."""
   cfg, p = tiny(3, model.make_mesh(1, 2, 1))
-  model.save_hf_checkpoint(str(tmp_path / "ref"), cfg, p)
-  flat = param_server.flatten(p)
-  held = []
-
-  def get_leaf(key):
-    held.append(key)
-    return np.asarray(flat["/".join(key)])
-  model.save_hf_checkpoint_streamed(str(tmp_path / "out"), cfg, get_leaf, "float32")
-  assert len(held) == len(flat)  # each of our tensors fetched once, one at a time
-  a = safetensors.numpy.load_file(str(tmp_path / "ref" / "model.safetensors"))
-  b = safetensors.numpy.load_file(str(tmp_path / "out" / "model.safetensors"))
-  assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+  train.export_hf(str(tmp_path / "out"), cfg, p)
   _, back = model.load_hf_checkpoint(str(tmp_path / "out"))
   jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), p, back)
+  flat, pieces = param_server.flatten(p), []
+
+  def get_piece(key, layer, axis, rows):
+    x = np.asarray(flat["/".join(key)])
+    x = x if layer is None else x[layer]
+    unit = x.nbytes if axis is None else x.nbytes // x.shape[axis]  # one whole HF row (group), the smallest cut
+    pieces.append((key, layer, unit * (1 if axis is None else rows.stop - rows.start), unit))
+    return x if axis is None else x[(slice(None),) * axis + (rows,)]
+  model.save_hf_checkpoint_streamed(str(tmp_path / "small"), cfg, get_piece, "float32", chunk_bytes=512)
+  assert all(layer is not None for key, layer, _, _ in pieces if key[0] == "layers")
+  assert all(n <= max(512, unit) for _, _, n, unit in pieces)
+  assert len(pieces) > 2 * len(flat)  # cut finer than a layer: w_up's 8 KiB per layer comes in 512-byte pieces
+  a = safetensors.numpy.load_file(str(tmp_path / "out" / "model.safetensors"))
+  b = safetensors.numpy.load_file(str(tmp_path / "small" / "model.safetensors"))
+  assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
 
 
 def test_sharded_messages_reject_bad_input_and_keep_serving(servers):
@@ -195,3 +201,19 @@ def test_sharded_messages_reject_bad_input_and_keep_serving(servers):
   with pytest.raises(ValueError, match="JSON manifest"):
     c._request(ps.COMMIT, {}, [b"not json"])
   assert c.manifest() is None and c.latest_version() == -1  # nothing was committed
+
+
+def test_no_leaf_is_ever_whole_on_one_device_from_load_to_export(tmp_path):
+  """2 processes x 2 devices (fsdp 4): the HF checkpoint is read straight into its shardings, the optimizer state
+  and the reference follow them through a train step, the export gathers one layer's slice at a time (never a
+  whole leaf), and the export loads onto a worker's tensor-parallel mesh for eval."""
+  from multiproc_helper import CFG_HF
+  cfg = model.Config.from_hf_dict(CFG_HF)
+  model.save_hf_checkpoint(str(tmp_path / "base"), cfg, model.init_params(cfg, jax.random.PRNGKey(0)))
+  res = _run("placement", 2, [(tmp_path / "base", tmp_path / "out")] * 2, devices=2)
+  for rc, out in res:
+    assert rc == 0, out[-3000:]
+    for what in ("load", "optimizer", "reference", "train", "eval"):
+      assert f"PLACED {what}" in out, (what, out[-2000:])
+    gathered, biggest = map(int, next(l for l in out.splitlines() if l.startswith("GATHERED")).split()[1:])
+    assert gathered <= 2048 < biggest, (gathered, biggest)  # pieces of chunk_bytes, never a whole leaf
