@@ -162,8 +162,8 @@ def synthetic_groups(a, rng):
 def torch_reference(cfg, policy, batch, lcfg, threads, steps):
   """The same step in PyTorch eager, the reference issue 17 measures against: transformers' Qwen2 model on the
   same weights (written with model.save_hf_checkpoint), the frozen reference forward under no_grad when
-  kl_coef > 0, the policy forward, PPO-clip loss with k3 KL in the loss, seq-mean-token-mean, entropy as a
-  metric (no grad), backward, global-norm clip 1.0, AdamW. Returns ({threads: (best s, median s)} over `steps`
+  kl_coef > 0, the policy forward, decoupled PPO-clip loss (behaviour weight capped at tis_cap) with k3 KL in the
+  loss, seq-mean-token-mean, entropy as a metric (no grad), backward, global-norm clip 1.0, AdamW. Returns ({threads: (best s, median s)} over `steps`
   steps after one warm-up step at each thread count, the loss of the very first step: at the initial weights,
   so it must equal ours there)."""
   import tempfile
@@ -191,8 +191,9 @@ def torch_reference(cfg, policy, batch, lcfg, threads, steps):
     lp, lsm = logps(pol)
     with torch.no_grad():
       entropy = (-(lsm.exp() * lsm).sum(-1) * mask).sum() / mask.sum()
-    ratio = torch.exp(lp - blp)
-    tok_loss = -torch.minimum(ratio * adv, ratio.clamp(1 - lcfg.eps_low, 1 + lcfg.eps_high) * adv)
+    prox = lp.detach()  # decoupled PPO, one update per batch: the clip on pi / pi_prox, the weight pi_prox / mu
+    ratio, w = torch.exp(lp - prox), torch.exp(prox - blp).clamp(max=lcfg.tis_cap)
+    tok_loss = -w * torch.minimum(ratio * adv, ratio.clamp(1 - lcfg.eps_low, 1 + lcfg.eps_high) * adv)
     if ref is not None:
       d = ref_lp - lp
       tok_loss = tok_loss + lcfg.kl_coef * (torch.exp(d) - d - 1)

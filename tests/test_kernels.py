@@ -76,19 +76,20 @@ def _packed_ids(B, T, cuts):
 
 
 def test_flash_causal_segments_gqa2_non_multiple_blocks():
-  # T=40 is not a multiple of block_q=16 or block_k=8 (padding path); bq != bk exercises the causal clamps.
-  seg = _packed_ids(2, 40, cuts=(13, 29, 35))
-  _check_attention(2, 40, 40, 4, 2, 32, jnp.float32, True, seg, block_q=16, block_k=8)
+  # T=300 is not a multiple of block_q=64 or block_k=128 (padding path); bq != bk exercises the causal clamps. (With
+  # segment ids TPU needs block_k a multiple of 128: the kv ids are a [1, block_k] row.)
+  seg = _packed_ids(2, 300, cuts=(97, 217, 262))
+  _check_attention(2, 300, 300, 4, 2, 32, jnp.float32, True, seg, block_q=64, block_k=128)
 
 
 def test_flash_noncausal_gqa8_padded_keys():
-  # GQA ratio 8 (one kv head), T != S, S=40 padded to block_k=16: padded keys must be masked without causality.
-  _check_attention(1, 16, 40, 8, 1, 32, jnp.float32, False, None, block_q=8, block_k=16)
+  # GQA ratio 8 (one kv head), T != S, S=300 padded to 384 (block_k=128): padded keys masked without causality.
+  _check_attention(1, 16, 300, 8, 1, 32, jnp.float32, False, None, block_q=8, block_k=128)
 
 
 def test_flash_bf16_causal_segments():
-  seg = _packed_ids(2, 32, cuts=(10, 32))
-  _check_attention(2, 32, 32, 4, 2, 32, jnp.bfloat16, True, seg, block_q=16, block_k=16)
+  seg = _packed_ids(2, 256, cuts=(80, 256))
+  _check_attention(2, 256, 256, 4, 2, 32, jnp.bfloat16, True, seg, block_q=128, block_k=128)
 
 
 @pytest.mark.parametrize("T", [128, 300])
