@@ -40,6 +40,7 @@ os.execvp(sys.argv[1], sys.argv[1:])' "$BASH" "$0" "$@"
 fi
 ROOT="$(cd "$(dirname "$0")" && pwd)"
 cd "$ROOT"
+exec 3>&1  # the terminal, for messages of steps whose output goes to a log
 VENV="${VENV:-$ROOT/.venv}"
 
 # Create the virtualenv and install a requirements file once; a stamp keyed on the files' hash makes reruns free.
@@ -259,7 +260,7 @@ run_fg() {  # a foreground step (SFT, eval) as a waited-for child, so that a sig
   wait "$FG_PID" || rc=$?
   while kill -0 "$FG_PID" 2>/dev/null; do rc=0; wait "$FG_PID" || rc=$?; done
   FG_PID=""
-  [ ! -f "$RUN_DIR/STOP" ] || { echo "== stopped; rerun the same command to resume"; exit 0; }
+  [ ! -f "$RUN_DIR/STOP" ] || { echo "== stopped; rerun the same command to resume" >&3; exit 0; }
   return $rc
 }
 
@@ -476,6 +477,7 @@ run_local() {
     supervise
     [ -n "$chaos_pid" ] && kill "$chaos_pid" 2>/dev/null || true
     stop_all
+    [ ! -f "$RUN_DIR/DONE" ] || rm -f "$RUN_DIR/STOP"  # finished: the eval after must not read it as a stop
     [ -f "$RUN_DIR/DONE" ] || { echo "== stopped before the last step (checkpointed); rerun the same command to resume"; return; }
   fi
   [ $SKIP_EVAL = 1 ] && { run_plot; echo "== done (eval skipped): $RUN_DIR/final"; return; }
