@@ -646,10 +646,10 @@ def load_hf_checkpoint(path, dtype=None, mesh=None):
         return read(parts[0][1], parts[0][2], shape, idx)
       return np.stack([read(hf, n_in, shape[1:], idx[1:]) for _, hf, n_in, _ in parts[idx[0]]])
     return jax.make_array_from_callback(shape, sharding, lambda idx: piece(
-        tuple(s.indices(d) for s, d in zip(idx, shape))))
+        tuple(s.indices(d) for s, d in zip(idx, shape))), dtype=dtype)
 
   shardings = (param_shardings(cfg, mesh) if mesh is not None else
-               jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), param_axes(cfg),
+               jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), param_axes(cfg),
                             is_leaf=_is_leaf))
   try:
     out = {n: leaf((n,), shardings[n]) for n in shardings if n != "layers"}
