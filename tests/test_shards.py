@@ -158,8 +158,10 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_hf_export_gathers_bounded_pieces_and_round_trips(tmp_path):
   """train.export_hf (the trainer's collective export) writes what loads back bit for bit; the writer asks for one
   layer's slice at a time, cut into pieces of at most chunk_bytes (whole HF rows), never a layer-stacked tensor."""
-  cfg, p = tiny(3, model.make_mesh(1, 2, 1))
-  train.export_hf(str(tmp_path / "out"), cfg, p)
+  mesh = model.make_mesh(1, 2, 1)
+  cfg, p = tiny(3, mesh)
+  with jax.set_mesh(mesh):  # as the trainer runs it (an earlier test may have left another mesh set)
+    train.export_hf(str(tmp_path / "out"), cfg, p)
   _, back = model.load_hf_checkpoint(str(tmp_path / "out"))
   jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), p, back)
   flat, pieces = param_server.flatten(p), []
