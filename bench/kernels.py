@@ -3,25 +3,17 @@ elsewhere in interpret mode at tiny shapes: not a performance figure).
 
 Run from the repo root: python -m bench.kernels
 """
-import time
-
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from bench.util import best_time
 from pallas_kernels import attention, decode_attention
 
 
-def _time(fn, *args, iters=5):
+def _time(fn, *args):
   """Median wall time of a jitted call, after one compile + warm-up call."""
-  fn = jax.jit(fn)
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return sorted(times)[len(times) // 2]
+  return best_time(jax.jit(fn), args, 5)[1]
 
 
 def _measured_roofline(dtype):

@@ -140,7 +140,7 @@ def test_render_prompt():
   p = Problem("1", "12+3=", "15", "arithmetic")
   assert data.render_prompt(p) == "12+3="
   assert data.render_prompt(p, "chatml") == "<|im_start|>user\n12+3=<|im_end|>\n<|im_start|>assistant\n"
-  assert data.render_prompt(Problem("1", "12+3=", "15", system="Be brief."), "chatml").startswith(
+  assert data.render_prompt(Problem("1", "12+3=", "15", messages=(("system", "Be brief."), ("user", "12+3="))), "chatml").startswith(
       "<|im_start|>system\nBe brief.<|im_end|>\n")
   with pytest.raises(ValueError, match="template"):
     data.render_prompt(p, "alpaca")

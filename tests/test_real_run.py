@@ -1,12 +1,15 @@
 """A real user's run (issue 13): a tiny random HF Qwen2 checkpoint + tokenizer.json with ChatML specials and a
 GSM8K-shaped jsonl of ~200-token prompts (one too long to fit) made here, run as a user runs them:
-`launch.sh local --init_checkpoint --train_jsonl --eval_jsonl --template=hf`, no length flags. The trainer must
+`launch.sh local --init_checkpoint --train_jsonl --eval_jsonl`, no length flags (the checkpoint ships a chat
+template: used by default). The completion budget and the micro-batches adapt to the checkpoint's 512 positions and a
+16 MiB memory budget (the old defaults, 1024 new tokens and one micro-batch, would not fit). The trainer must
 skip the long prompt at load (file:line), reach its steps (no worker crash loop), log the new metrics, save
 flags.json, and export a final/ that transformers loads with its tokenizer; pass@k is evaluated before and after.
 Every on-policy step's mismatch_max in metrics.jsonl is <= 1e-5 (fp32).
 ~1-2 min on 2 cores."""
 import json
 import os
+import re
 import subprocess
 
 import jax
@@ -16,6 +19,7 @@ import model
 from test_system import ROOT, free_port
 
 STEPS = 3
+MEMORY_GB = 0.016  # 16 MiB: one micro-batch of 4 x 512 tokens needs ~20 MiB here, so --grad_accum=0 must split
 
 
 def make_checkpoint(d):
@@ -55,9 +59,9 @@ def test_real_checkpoint_gsm8k_jsonl_run(tmp_path):
       f.write(json.dumps(dict(question=" ".join(f"w{j}" for j in range(180 + i)) + " ?", answer=f"#### {i}")) + "\n")
   # The user's command: the checkpoint, the data, the chat template; only the budget and size flags are test-sized.
   cmd = ["bash", "launch.sh", "local", f"--run_dir={run}", f"--init_checkpoint={ckpt}", f"--train_jsonl={train}",
-         f"--eval_jsonl={evalf}", "--template=hf", f"--steps={STEPS}", "--workers=1", "--max_new_tokens=16",
+         f"--eval_jsonl={evalf}", f"--steps={STEPS}", "--workers=1",
          f"--port={free_port()}", "--worker_args=--slots=4 --verifier_workers=1",
-         "--", "--prompts_per_step=2", "--group_size=2", "--lr=1e-4"]
+         "--", "--prompts_per_step=2", "--group_size=2", "--lr=1e-4", f"--memory_gb={MEMORY_GB}"]
   p = subprocess.run(cmd, cwd=ROOT, env=benchutil.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                      text=True, timeout=600)
   assert p.returncode == 0, p.stdout[-3000:]
@@ -66,6 +70,11 @@ def test_real_checkpoint_gsm8k_jsonl_run(tmp_path):
   assert not os.path.exists(sup) or "worker0 exited" not in open(sup).read()  # the worker never died
   assert "pass@1" in p.stdout and os.path.exists(os.path.join(run, "eval_after.json")), p.stdout[-2000:]
   assert f"{train}:4" in trainer_log and "skipped 1 of 8" in trainer_log
+  # Defaults that fit: the 1024-token default completion budget would not fit the 512 positions, and one
+  # micro-batch would not fit the memory budget; both adapt with no flag.
+  assert re.search(r"--max_new_tokens=0: 3\d\d \(context 512\)", trainer_log), trainer_log[-2000:]
+  chose = int(re.search(r"--grad_accum=0: chose (\d+)", trainer_log).group(1))
+  assert chose >= 2 and re.search(r"--grad_accum=0: 1 micro-batches .* peak [\d.]+ MiB", trainer_log)
   recs = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
   assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
   for k in ("time", "lr", "reward_std", "truncated_frac"):
