@@ -3,8 +3,8 @@ settings that let XLA on the host CPU reuse a step's buffers.
 
   write_atomic(path, data, fsync=False)   temp file + rename: a reader, or a restart after a crash, sees the old
                                           file or the whole new one, never a torn one
-  define_shared_flags(max_new_tokens)     called by train.py's and rollout.py's define_flags(): importing a module
-                                          defines no flag; docs/FLAGS.md lists them (python -m tools.flags_page)
+  define_shared_flags(max_new_tokens, task_args_error)   called by train.py's and rollout.py's define_flags():
+                                          importing a module defines no flag; docs/FLAGS.md lists them
   tune_malloc()                           first thing in a process's main, before its first JAX computation
 """
 import contextlib
@@ -45,8 +45,8 @@ def write_atomic(path, data, fsync=False, mode=0o666, tmp=None):
     fsync_dir(os.path.dirname(path))
 
 
-def define_shared_flags(max_new_tokens):
-  """max_new_tokens: the entry point's default. The caller adopts these as its key flags (train's flags.json)."""
+def define_shared_flags(max_new_tokens, task_args_error):
+  """max_new_tokens: the entry point's default; task_args_error: data.task_args_error (data imports common). The caller adopts these as its key flags (train's flags.json)."""
   flags.DEFINE_string("server", "127.0.0.1:5555", "Parameter server host:port. Default 127.0.0.1:5555.")
   flags.DEFINE_string("token_file", None, "File holding the server's shared secret (the trainer's push and the "
                       "worker's lease/put need it). Default none.")
@@ -71,11 +71,21 @@ def define_shared_flags(max_new_tokens):
   flags.DEFINE_integer("top_k", 0, "Top-k truncation (0 = off; trainer: sent to the workers). Default 0.")
   flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) mass (1 = off; trainer: sent to the workers, with truncation set "
                      "a tis_cap override). Default 1.0.")
+  # The held-out set: rollout.py --mode=eval, and train.py --eval_every (through the workers, during training).
+  flags.DEFINE_string("eval_task", "arithmetic", "Built-in task of the held-out set (ignored with --eval_jsonl). "
+                      "Default arithmetic.")
+  flags.DEFINE_string("eval_task_args", "", "The built-in eval task's own options, name=value,... e.g. "
+                      "difficulty=2,ops=+ (as train.py --task_args). Default empty: the task's defaults.")
+  flags.DEFINE_string("eval_jsonl", None, "Held-out jsonl prompts instead of a built-in task. Default none.")
+  flags.DEFINE_integer("eval_n", 200, "Number of held-out problems. Default 200.")
+  flags.DEFINE_integer("k", 8, "Samples per held-out problem; reports pass@1 and pass@k. Default 8.")
+  register_task_validator("eval_task", "eval_task_args", "eval_jsonl", task_args_error)
   # Bad values fail at flag parsing; temperature's rule differs per entry point (eval allows greedy).
   for name, ok, rule in (
       ("max_new_tokens", lambda v: v >= 0, ">= 0 (0 = auto)"), ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
       ("max_staleness", lambda v: v >= 0, ">= 0 (a negative bound makes every rollout stale)"),
-      ("server_retries", lambda v: v >= 0, ">= 0"), ("top_p", lambda v: 0 < v <= 1, "in (0, 1]")):
+      ("server_retries", lambda v: v >= 0, ">= 0"), ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+      ("eval_n", lambda v: v >= 1, ">= 1"), ("k", lambda v: v >= 1, ">= 1")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
 
 

@@ -307,6 +307,33 @@ def fit_prompts(problems, encode: Callable, max_new_tokens: int, max_seq_len: in
   return kept, skipped, max(lengths, default=0)
 
 
+def eval_problems(jsonl, n, task, task_args) -> list:
+  """The held-out set: jsonl's first n lines, or n problems of the built-in task's held-out split (hash-disjoint
+  from training's whatever the seeds)."""
+  if jsonl:
+    return load_jsonl(jsonl)[:n]
+  return make_task_problems(task, n, seed=1234, split="eval", **parse_task_args(task_args))
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Unbiased pass@k estimator (Chen et al. 2021, "Evaluating LLMs trained on code"): 1 - C(n-c,k)/C(n,k)."""
+  if n < k:
+    raise ValueError(f"pass@{k} needs n >= k samples, got n={n}")
+  return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_at_k_summary(correct) -> dict:
+  """correct [problems, n] bools -> pass@1 and pass@n over the problems, each with its standard error (the
+  problems are the independent draws)."""
+  correct = np.asarray(correct)
+  out, n = {}, correct.shape[1]
+  for k in sorted({1, n}):
+    per = np.asarray([pass_at_k(n, int(c.sum()), k) for c in correct])
+    out[f"pass@{k}"] = float(per.mean())
+    out[f"pass@{k}_se"] = float(per.std(ddof=1) / np.sqrt(len(per))) if len(per) > 1 else 0.0
+  return out
+
+
 def completion_budget(prompt_lengths, context: int, cap: int = 1024) -> int:
   """--max_new_tokens=0: the tokens the context leaves after the longest prompt that fits in half of it, capped
   (a 1024-position checkpoint with 200-token prompts gets 824; a 32k one gets the cap). Longer prompts are then

@@ -460,6 +460,9 @@ run_local() {
                  --max_new_tokens="$MAX_NEW" --template="$TEMPLATE" --shard_servers="$shard_addrs")
     [ -n "$STEPS" ] && train+=(--steps="$STEPS")
     [ -n "$TRAIN_JSONL" ] && train+=(--train_jsonl="$TRAIN_JSONL")
+    local f; for f in "${eval_flags[@]}"; do  # the held-out set, for -- --eval_every=N (evals during training)
+      case "$f" in --eval_*|--k=*) train+=("$f") ;; esac
+    done
     for i in $(seq 0 $((TRAINER_PROCS - 1))); do
       local mp=()
       [ "$TRAINER_PROCS" -gt 1 ] && mp=(--num_processes="$TRAINER_PROCS" --process_id="$i"

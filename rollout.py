@@ -38,7 +38,7 @@ FLAGS = flags.FLAGS
 
 def define_flags():
   """Called only by main(): importing this file defines no flag (see common)."""
-  common.define_shared_flags(max_new_tokens=16)
+  common.define_shared_flags(max_new_tokens=16, task_args_error=data.task_args_error)
   flags.adopt_module_key_flags(common)
   flags.DEFINE_enum("mode", "worker", ["worker", "eval"], "worker: serve the RL run; eval: pass@k of --checkpoint. "
                     "Default worker.")
@@ -58,16 +58,10 @@ def define_flags():
   flags.DEFINE_float("verifier_timeout_s", 10.0, "Per-completion verifier timeout in seconds. Default 10.")
   flags.DEFINE_integer("max_failures_in_a_row", 8, "Prompts that may fail (reported to the server) in a row before "
                        "the worker treats itself as broken and exits (count). Default 8.")
-  # Eval mode.
-  flags.DEFINE_string("eval_task", "arithmetic", "Built-in task for eval (ignored with --eval_jsonl). Default arithmetic.")
-  flags.DEFINE_string("eval_task_args", "", "The built-in eval task's own options, name=value,... e.g. "
-                      "difficulty=2,ops=+ (as train.py --task_args). Default empty: the task's defaults.")
-  flags.DEFINE_string("eval_jsonl", None, "Held-out jsonl prompts instead of a built-in task. Default none.")
-  flags.DEFINE_integer("eval_n", 200, "Number of held-out problems. Default 200.")
-  flags.DEFINE_integer("k", 8, "Samples per problem; reports pass@1 and pass@k. Default 8.")
+  # Eval mode (the held-out set: common.define_shared_flags).
   flags.DEFINE_string("out", None, "Write eval metrics as JSON here. Default none.")
   # Bad values fail at flag parsing, before any work starts, with the flag and its value named.
-  for name in ("slots", "chunk_steps", "max_prompt_len", "eval_n", "k"):
+  for name in ("slots", "chunk_steps", "max_prompt_len"):
     flags.register_validator(name, lambda v: v >= 1, message=f"--{name} must be >= 1")
   positive = lambda v: math.isfinite(v) and v > 0  # noqa: E731
   nonneg = lambda v: math.isfinite(v) and v >= 0  # noqa: E731
@@ -76,7 +70,6 @@ def define_flags():
                          ("drain_s", nonneg, "finite and >= 0"), ("lease_s", positive, "finite and > 0"),
                          ("verifier_timeout_s", positive, "finite and > 0")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
-  common.register_task_validator("eval_task", "eval_task_args", "eval_jsonl", data.task_args_error)
 
 
 # --- Sampling ----------------------------------------------------------------------------------------------------
@@ -790,13 +783,6 @@ class Weights:
 
 # --- Evaluation ----------------------------------------------------------------------------------------------------
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-  """Unbiased pass@k estimator (Chen et al. 2021, "Evaluating LLMs trained on code"): 1 - C(n-c,k)/C(n,k)."""
-  if n < k:
-    raise ValueError(f"pass@{k} needs n >= k samples, got n={n}")
-  return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
 def run_eval():
   """pass@1 and pass@k of --checkpoint over --eval_n problems, --k samples each: the mean over problems and its
   standard error (the problems are the independent draws)."""
@@ -805,11 +791,7 @@ def run_eval():
   mesh = model.make_mesh(1, 1, FLAGS.tensor_parallel, devices=jax.local_devices())
   jax.set_mesh(mesh)
   cfg, params = model.load_hf_checkpoint(FLAGS.checkpoint, mesh=mesh)
-  if FLAGS.eval_jsonl:
-    problems = data.load_jsonl(FLAGS.eval_jsonl)[:FLAGS.eval_n]
-  else:
-    problems = data.make_task_problems(FLAGS.eval_task, FLAGS.eval_n, seed=1234, split="eval",
-                                       **data.parse_task_args(FLAGS.eval_task_args))
+  problems = data.eval_problems(FLAGS.eval_jsonl, FLAGS.eval_n, FLAGS.eval_task, FLAGS.eval_task_args)
   encode = data.prompt_encoder(tok, FLAGS.template, FLAGS.tokenizer)
   ctx = cfg.max_position_embeddings  # --max_new_tokens=0: what it leaves after the prompts (as the trainer)
   max_new = FLAGS.max_new_tokens or data.completion_budget([len(encode(p)) for p in problems], ctx)
@@ -825,11 +807,7 @@ def run_eval():
   probs = [by_id[pid] for pid in res for _ in range(n)]
   with data.VerifierPool(0, strict_math=FLAGS.math_strict) as pool:  # inline: eval scores in this process
     correct = np.asarray(pool.score(probs, comps)).reshape(len(res), n) > 0.5
-  out = {}
-  for k in sorted({1, n}):
-    per = np.asarray([pass_at_k(n, int(c.sum()), k) for c in correct])
-    out[f"pass@{k}"] = float(per.mean())
-    out[f"pass@{k}_se"] = float(per.std(ddof=1) / np.sqrt(len(per))) if len(per) > 1 else 0.0
+  out = data.pass_at_k_summary(correct)
   out.update(n_problems=len(res), n_samples=n, temperature=sc.temperature, seconds=time.time() - t0,
              examples=[(probs[i].prompt, comps[i]) for i in range(0, min(len(comps), 5 * n), n)],
              checkpoint=FLAGS.checkpoint)

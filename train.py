@@ -62,7 +62,7 @@ FLAGS = flags.FLAGS
 
 def define_flags():
   """Called only by main(): importing this file defines no flag (see common)."""
-  common.define_shared_flags(max_new_tokens=8)
+  common.define_shared_flags(max_new_tokens=8, task_args_error=data.task_args_error)
   flags.adopt_module_key_flags(common)
   flags.DEFINE_enum("mode", "rl", ["rl", "sft"], "rl: RL from rollouts; sft: supervised warm-start. Default rl.")
   flags.DEFINE_string("run_dir", "runs/local", "Directory for checkpoints, metrics and the final model. Default runs/local.")
@@ -123,6 +123,12 @@ def define_flags():
   flags.DEFINE_integer("export_every", 0, "Also export the policy as an HF checkpoint to <run_dir>/exports/"
                        "step_NNNNNN every N steps (held-out pass@k versus step: python -m tools.curation). 0 = off (a 32B "
                        "export is a full gather per export). Default 0.")
+  flags.DEFINE_integer("eval_every", 0, "Every N steps, the held-out set (--eval_jsonl or --eval_task, --eval_n "
+                       "problems, --k samples) goes to the workers with the training prompts at the run's sampling "
+                       "settings; its pass@1/pass@k land in metrics.jsonl when the last group is back (the trainer "
+                       "never waits for them). 0 = off. Default 0.")
+  flags.DEFINE_bool("tensorboard", True, "Also write metrics.jsonl's numbers as TensorBoard scalars to "
+                    "<run_dir>/tensorboard (tensorboardX). Default True.")
   flags.DEFINE_integer("keep_checkpoints", 2, "Checkpoints kept on disk. Default 2.")
   flags.DEFINE_string("checkpoint_dir", "", "Where checkpoints go (a path or gs://bucket/path). Default '' = "
                       "<run_dir>/ckpt. With several trainer hosts it must be storage they all share (orbax: each "
@@ -420,8 +426,15 @@ def run_rl():
                                                      max_prompt_len=max_prompt))
   gen = {k: meta["sampling"][k] for k in ("temperature", "top_p", "max_new_tokens")}  # the exports' generation_config
   state["version"] = publish(servers, state["version"], params["policy"], meta)
-  metrics = Metrics(os.path.join(FLAGS.run_dir, "metrics.jsonl"))
+  metrics = Metrics(os.path.join(FLAGS.run_dir, "metrics.jsonl"),
+                    FLAGS.tensorboard and os.path.join(FLAGS.run_dir, "tensorboard"))
   lr_at = lr_schedule_fn(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps)  # the optimizer's schedule, for the log
+  # Held-out eval during training: prompts longer than the workers' KV cache (sized for the longest training
+  # prompt) are skipped, logged.
+  eval_set = data.fit_prompts(data.eval_problems(FLAGS.eval_jsonl, FLAGS.eval_n, FLAGS.eval_task, FLAGS.eval_task_args),
+                              encode, 0, max_prompt)[0] if FLAGS.eval_every and lead else []
+  if eval_set and state["step"] == 0:
+    collector.issue_eval(0, eval_set, FLAGS.k)  # the base policy's point of the curve
   if FLAGS.curate_prompts and not state.get("curated"):
     if lead:
       curate(collector, stop, metrics)  # its rates are in the checkpointed tracker
@@ -468,6 +481,8 @@ def run_rl():
     # 5. Checkpoint (asynchronous; the rollouts it records are acked once it commits) and export.
     if state["step"] % FLAGS.checkpoint_every == 0 or last:
       checkpoint(ckpt, collector, state, params, opt_state)
+    if eval_set and state["step"] % FLAGS.eval_every == 0:
+      collector.issue_eval(state["step"], eval_set, FLAGS.k)
     if FLAGS.export_every and state["step"] % FLAGS.export_every == 0:
       export_hf(os.path.join(FLAGS.run_dir, "exports", f"step_{state['step']:06d}"), cfg, params["policy"],
                 tokenizer_src=FLAGS.tokenizer, sampling=gen)
@@ -476,6 +491,9 @@ def run_rl():
       rec = step_record(state, got, collector, trained_version, rewards, lengths, batch, m,
                         dict(wait_s=wait_s, step_s=step_s, push_s=push_s), float(lr_at(state["step"] - 1)))
       metrics.write(rec)
+      for ev in collector.pop_eval_records():  # held-out rounds whose last group came back
+        logging.info("held-out eval of step %d: %s", ev["step"], {k: v for k, v in ev.items() if k != "step"})
+        metrics.write(ev)
       bar.update(1)
       bar.set_postfix(reward=f"{rec['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", ent=f"{m.get('entropy', 0):.3f}")
   checkpoint(ckpt, collector, state, params, opt_state, final=True)
@@ -795,10 +813,16 @@ def lead_says(flag):
 
 
 class Metrics:
-  """jsonl metrics (process 0 only); one line per step."""
+  """jsonl metrics (process 0 only); one line per step. tensorboard_dir: the same numbers as TensorBoard scalars
+  (tensorboardX, imported only then), keyed by the record's step; pass@k is tagged pass_at_k."""
 
-  def __init__(self, path):
-    self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if jax.process_index() == 0 else None
+  def __init__(self, path, tensorboard_dir=None):
+    lead = jax.process_index() == 0
+    self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if lead else None
+    self.tb = None
+    if tensorboard_dir and lead:
+      from tensorboardX import SummaryWriter
+      self.tb = SummaryWriter(tensorboard_dir)
 
   def write(self, rec):
     # One write() per line: a buffered text file splits a long line (a step's sample ids run past 8 KiB) into
@@ -808,6 +832,11 @@ class Metrics:
       data = (json.dumps(rec) + "\n").encode()
       while data:
         data = data[os.write(self.fd, data):]
+    if self.tb is not None:
+      for k, v in rec.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time"):
+          self.tb.add_scalar(k.replace("@", "_at_"), v, rec.get("step", 0), walltime=rec.get("time"))  # TB tag rules
+      self.tb.flush()  # as the jsonl line: on disk now (a preempted or killed trainer leaves no buffered records)
 
 
 # --- Publish: every process stages its own shards, process 0 commits the manifest last -------------------------------
@@ -1082,6 +1111,7 @@ class Collector:
     self.seq = self.issued = self.band_skipped = 0  # prompts given ids / issued / skipped as out of band
     self.quarantined = []  # dict(id, reason, failures) per prompt the server quarantined
     self._rated = []  # (prompt id, rewards) of the step being collected: into the tracker once it is trained
+    self.evals, self.eval_records = {}, []  # held-out rounds in flight (by id tag); finished rounds' records
 
   # -- checkpointed state
   def state_dict(self):
@@ -1130,8 +1160,10 @@ class Collector:
   def _take(self, it, version, got):
     """One leased rollout: a duplicate, stale, malformed, zero-variance, or one to train on."""
     rid = it["id"]
-    if rid.startswith("c"):  # a curation rollout of an earlier trainer incarnation: not training data
+    if rid[0] in "ce":  # held-out eval, or an earlier incarnation's curation: never training data
       self.client.ack("rollouts", [rid])
+      if rid[0] == "e":
+        self._eval_rollout(it)
       return
     seen = self.ledger.lease(rid)
     if seen != "new":
@@ -1189,12 +1221,56 @@ class Collector:
       self.band_skipped += 1
     return p
 
+  # -- held-out eval during training (--eval_every): the same queues, never trained on, not checkpointed (a round
+  # in flight at a restart is dropped: the restarted trainer acks its rollouts and ignores them)
+  def issue_eval(self, step, problems, k):
+    """k samples of each problem, as items of at most group_size samples (what every worker's slots take; the
+    item ids seed distinct samples). Ids e<step>-<random>-<problem>.<chunk>: this incarnation's own, as curation's."""
+    tag, G = f"e{step}-{os.urandom(4).hex()}", self.group_size
+    items = [dataclasses.replace(self.prompt_item(f"{tag}-{i}.{j}", p), group_size=min(G, k - j * G)).to_wire()
+             for i, p in enumerate(problems) for j in range(-(-k // G))]
+    for s in range(0, len(items), 256):  # bounded frames
+      self.client.put("prompts", items[s:s + 256])
+    self.evals[tag] = dict(step=step, pending={it["id"] for it in items}, rewards={}, versions=[], t=time.time(), k=k)
+
+  def _eval_rollout(self, it):
+    ev = self.evals.get(it["id"].rsplit("-", 1)[0])
+    if ev is None or it["id"] not in ev["pending"]:
+      return  # an earlier incarnation's round, or a duplicate
+    ev["pending"].discard(it["id"])
+    try:
+      r = data.Rollout.from_wire(it)
+      ev["rewards"].setdefault(it["id"].rsplit(".", 1)[0], []).extend(r.rewards)
+      ev["versions"].append(r.version)
+    except ValueError as e:  # one bad item must not hold the round: its problem is left out (eval_problems)
+      logging.error("%s; held-out rollout left out of its round", e)
+    self._eval_round_done(ev)
+
+  def _eval_round_done(self, ev):
+    full = [np.asarray(r) > 0.5 for r in ev["rewards"].values() if len(r) == ev["k"]]
+    if not ev["pending"] and full:
+      self.evals = {t: e for t, e in self.evals.items() if e is not ev}
+      self.eval_records.append(dict(
+          step=ev["step"], time=time.time(), eval_problems=len(full), eval_s=time.time() - ev["t"],
+          eval_version_min=min(ev["versions"]), eval_version_max=max(ev["versions"]),
+          **{f"eval_{k}": v for k, v in data.pass_at_k_summary(full).items()}))
+
+  def pop_eval_records(self):
+    out, self.eval_records = self.eval_records, []
+    return out
+
   def note_quarantined(self):
     """Prompts the server quarantined (notices in the queue "prompts.failed") count as consumed without
     training, so issue() sends a replacement; each is recorded once in the checkpointed state and its notice
     acked once that checkpoint commits. Returns how many were new."""
     new = 0
     for it in self.client.get("prompts.failed", max_items=1000, lease_s=self.lease_s):
+      if it["id"].startswith("e"):  # a held-out prompt the workers kept failing on: out of its round
+        self.client.ack("prompts.failed", [it["id"]])
+        if (ev := self.evals.get(it["id"].rsplit("-", 1)[0])) is not None:
+          ev["pending"].discard(it["id"])
+          self._eval_round_done(ev)
+        continue
       if self.ledger.settle_notice(it["id"], self.client):
         self.quarantined.append(dict(id=it["id"], reason=it["reason"], failures=it["failures"]))
         logging.warning("prompt %s quarantined by the server after %d failures: %s", it["id"], it["failures"],
@@ -1269,7 +1345,8 @@ def run_sft():
     upd, opt_state = opt.update(g, opt_state, params)
     return optax.apply_updates(params, upd), opt_state, loss
 
-  metrics = Metrics(os.path.join(FLAGS.run_dir, "sft_metrics.jsonl"))
+  metrics = Metrics(os.path.join(FLAGS.run_dir, "sft_metrics.jsonl"),
+                    FLAGS.tensorboard and os.path.join(FLAGS.run_dir, "tensorboard", "sft"))
   t0 = time.time()
   recent = []  # device scalars; read back every 10 steps (one host sync per 10, not per step)
   for i in range(FLAGS.sft_steps):

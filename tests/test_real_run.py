@@ -61,7 +61,8 @@ def test_real_checkpoint_gsm8k_jsonl_run(tmp_path):
   cmd = ["bash", "launch.sh", "local", f"--run_dir={run}", f"--init_checkpoint={ckpt}", f"--train_jsonl={train}",
          f"--eval_jsonl={evalf}", f"--steps={STEPS}", "--workers=1",
          f"--port={free_port()}", "--worker_args=--slots=4 --verifier_workers=1",
-         "--", "--prompts_per_step=2", "--group_size=2", "--lr=1e-4", f"--memory_gb={MEMORY_GB}"]
+         "--", "--prompts_per_step=2", "--group_size=2", "--lr=1e-4", f"--memory_gb={MEMORY_GB}",
+         "--eval_every=1"]
   p = subprocess.run(cmd, cwd=ROOT, env=benchutil.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                      text=True, timeout=600)
   assert p.returncode == 0, p.stdout[-3000:]
@@ -75,7 +76,8 @@ def test_real_checkpoint_gsm8k_jsonl_run(tmp_path):
   assert re.search(r"--max_new_tokens=0: 3\d\d \(context 512\)", trainer_log), trainer_log[-2000:]
   chose = int(re.search(r"--grad_accum=0: chose (\d+)", trainer_log).group(1))
   assert chose >= 2 and re.search(r"--grad_accum=0: 1 micro-batches .* peak [\d.]+ MiB", trainer_log)
-  recs = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
+  recs_all = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
+  recs = [r for r in recs_all if "eval_pass@1" not in r]
   assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
   for k in ("time", "lr", "reward_std", "truncated_frac"):
     assert all(k in r for r in recs), k
@@ -85,6 +87,18 @@ def test_real_checkpoint_gsm8k_jsonl_run(tmp_path):
   assert on_policy, [(r["step"], r["staleness_max"]) for r in recs]
   assert all(r["mismatch_max"] <= 1e-5 for r in on_policy), [(r["step"], r["mismatch_max"]) for r in on_policy]
   assert json.load(open(os.path.join(run, "flags.json")))["train_jsonl"] == train
+  # Held-out pass@k during training (--eval_every, through the workers), and the same numbers in TensorBoard.
+  evals = [r for r in recs_all if "eval_pass@1" in r]
+  assert evals and all(r["eval_problems"] == 3 and 0 <= r["eval_pass@8"] <= 1 for r in evals), recs_all
+  from tensorboardX.proto import event_pb2
+  (events,) = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(run, "tensorboard")) for f in fs if "tfevents" in f]
+  tags = set()
+  with open(events, "rb") as f:  # TFRecord: u64 length, u32 crc, payload, u32 crc
+    while header := f.read(12):
+      payload = f.read(int.from_bytes(header[:8], "little"))
+      f.read(4)
+      tags |= {v.tag for v in event_pb2.Event.FromString(payload).summary.value}
+  assert {"reward", "loss", "eval_pass_at_1", "eval_pass_at_8"} <= tags, tags
   from transformers import AutoModelForCausalLM, AutoTokenizer
   final = os.path.join(run, "final")
   tok = AutoTokenizer.from_pretrained(final)

@@ -141,11 +141,11 @@ def test_greedy_is_argmax_with_ties_and_neg_inf():
 
 
 def test_pass_at_k_unbiased_estimator():
-  assert rollout.pass_at_k(8, 0, 8) == 0.0 and rollout.pass_at_k(8, 1, 8) == 1.0
-  assert rollout.pass_at_k(8, 2, 1) == pytest.approx(0.25)
-  assert rollout.pass_at_k(10, 3, 4) == pytest.approx(1 - math.comb(7, 4) / math.comb(10, 4))
+  assert data.pass_at_k(8, 0, 8) == 0.0 and data.pass_at_k(8, 1, 8) == 1.0
+  assert data.pass_at_k(8, 2, 1) == pytest.approx(0.25)
+  assert data.pass_at_k(10, 3, 4) == pytest.approx(1 - math.comb(7, 4) / math.comb(10, 4))
   with pytest.raises(ValueError, match="n >= k"):
-    rollout.pass_at_k(4, 1, 8)
+    data.pass_at_k(4, 1, 8)
 
 
 def test_bad_sampling_config_is_rejected():

@@ -13,8 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Issue 35 asked for 6000. The restructure cut the runtime code from 9,072 lines (11,443 with the benches then at
 # the top) to ~7,900 with the spec's features kept at the robustness it asks for; then issues 36-37 added the
 # server's trainer fencing, the mesh-aware load and export, the numerical firewall and the launcher's lock and
-# signal handling (~+90). Raise these only in the commit that needs it, and say why there.
-TOTAL_BUDGET = 8000
+# signal handling (~+90). Issue 38 (+~180, net of a -62 trim of param_server.py): token-exact chat prompts, the
+# completion budget and micro-batches sized from the checkpoint and the memory (XLA's own buffer count), held-out
+# eval during training through the workers, TensorBoard. Raise these only in the commit that needs it, and say why.
+TOTAL_BUDGET = 8150
 FILE_BUDGET = 1900  # no single file past this: param_server.py is the largest
 
 
