@@ -46,6 +46,7 @@ Bench: python -m bench.server --size_mb=1024;  python -m bench.faults
 """
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import hmac
 import itertools
@@ -142,14 +143,12 @@ def _alloc(n):
   if n < (1 << 20):
     return bytearray(n)
   mm = mmap.mmap(-1, n)
-  try:
+  with contextlib.suppress(AttributeError, OSError):
     mm.madvise(mmap.MADV_HUGEPAGE)
-  except (AttributeError, OSError):
-    pass
   return mm
 
 
-def _recv_into(sock, mv, deadline, what, on_progress=None):
+def _recv_into(sock, mv, deadline, what, on_progress=lambda got: None):
   """Fill memoryview mv from sock before `deadline` (time.monotonic()); on_progress(bytes_so_far) per chunk."""
   got, n = 0, len(mv)
   while got < n:
@@ -164,8 +163,7 @@ def _recv_into(sock, mv, deadline, what, on_progress=None):
     if k == 0:
       raise _Truncated(f"connection closed during {what}: got {got} of {n} bytes")
     got += k
-    if on_progress is not None:
-      on_progress(got)
+    on_progress(got)
 
 
 def _send_frame(sock, mtype, header, parts=(), *, deadline):
@@ -191,15 +189,11 @@ def _finite(text):
   return x
 
 
-def _no_constant(name):
-  raise ValueError(f"non-finite number {name} is not allowed")
-
-
 def parse_header(hb):
   """A frame header's bytes -> dict. Refuses (ProtocolError) bad UTF-8 or JSON, NaN / Infinity / overflowing floats
   (NaN defeats deadline arithmetic), ints of > 4300 digits, nesting deeper than MAX_JSON_DEPTH, a non-object."""
   try:
-    header = json.loads(hb, parse_constant=_no_constant, parse_float=_finite)
+    header = json.loads(hb, parse_constant=_finite, parse_float=_finite)  # NaN, Infinity, -Infinity: refused too
   except (UnicodeDecodeError, ValueError, RecursionError) as e:
     raise ProtocolError(f"frame header is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
   if not isinstance(header, dict):
@@ -214,7 +208,7 @@ def parse_header(hb):
   return header
 
 
-def _read_prefix_header(sock, first_deadline, header_timeout_s, max_header, on_start=None):
+def _read_prefix_header(sock, first_deadline, header_timeout_s, max_header, on_start=lambda: None):
   """Reads prefix + JSON header. Returns (mtype, header dict, payload_len) or None on a clean EOF.
   max_header: an int, or a function of the message type. on_start(): called once the first byte arrived."""
   pre = bytearray(PREFIX.size)
@@ -227,8 +221,7 @@ def _read_prefix_header(sock, first_deadline, header_timeout_s, max_header, on_s
     raise _Idle("no frame started before the deadline") from None
   if k == 0:
     return None
-  if on_start is not None:
-    on_start()
+  on_start()
   # One deadline for prefix + header, whatever lengths the prefix announces (a trickling client cannot stretch it).
   deadline = time.monotonic() + header_timeout_s
   _recv_into(sock, mv[k:], deadline, "frame prefix")
@@ -252,34 +245,29 @@ def _recv_with_crcs(sock, buf, sizes, deadline, what):
   if len(mv) < (4 << 20):
     _recv_into(sock, mv, deadline, what)
     return [zlib.crc32(mv[e - n:e]) for n, e in zip(sizes, itertools.accumulate(sizes))]
-  progress, crcs, err = queue_lib.SimpleQueue(), [], []
+  progress = queue_lib.SimpleQueue()
 
   def run():
-    try:
-      start, avail = 0, 0
-      for end in itertools.accumulate(sizes):
-        crc = 0
-        while start < end:
-          while avail <= start:
-            avail = progress.get()
-            if avail is None:  # the transfer failed or ended: stop without checksumming the rest
-              return
-          stop = min(end, avail)
-          crc, start = zlib.crc32(mv[start:stop], crc), stop
-        crcs.append(crc)
-    except BaseException as e:  # surfaced below
-      err.append(e)
+    crcs, start, avail = [], 0, 0
+    for end in itertools.accumulate(sizes):
+      crc = 0
+      while start < end:
+        while avail <= start:
+          avail = progress.get()
+          if avail is None:  # the transfer failed or ended: stop without checksumming the rest
+            return crcs
+        stop = min(end, avail)
+        crc, start = zlib.crc32(mv[start:stop], crc), stop
+      crcs.append(crc)
+    return crcs
 
-  thread = threading.Thread(target=run, daemon=True)
-  thread.start()
-  try:
-    _recv_into(sock, mv, deadline, what, progress.put)
-  finally:
-    progress.put(None)
-    thread.join()
-  if err:
-    raise err[0]
-  return crcs
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    crcs = pool.submit(run)
+    try:
+      _recv_into(sock, mv, deadline, what, progress.put)
+    finally:
+      progress.put(None)
+  return crcs.result()  # raises what run raised, if anything
 
 
 def _check_specs(specs, payload_len, what):
@@ -302,6 +290,12 @@ def _check_specs(specs, payload_len, what):
   if sum(sizes) != payload_len:
     raise ValueError(f"{what}: tensors total {sum(sizes)} bytes but the payload is {payload_len} bytes")
   return sizes
+
+
+def _check_crcs(specs, crcs, what, error=lambda msg: _Refused("checksum", msg)):
+  for s, c in zip(specs, crcs):
+    if s["crc"] != c:
+      raise error(f"{what}: tensor {s['name']!r} crc {c} != declared {s['crc']}")
 
 
 def _digest(version, specs):
@@ -446,38 +440,35 @@ def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None):
       for w in bufs:
         covered = 0
         for p in t["pieces"]:
-          lo = [max(a, pa) for (a, _), (pa, _) in zip(w, p["index"])]
-          hi = [min(b, pb) for (_, b), (_, pb) in zip(w, p["index"])]
-          if any(l >= h for l, h in zip(lo, hi)):
+          both = [(max(a, pa), min(b, pb)) for (a, b), (pa, pb) in zip(w, p["index"])]  # the overlap
+          if any(l >= h for l, h in both):
             continue
-          sub = [[l - pa, h - pa] for l, h, (pa, _) in zip(lo, hi, p["index"])]
-          dest = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, w))
+          sub = [[l - pa, h - pa] for (l, h), (pa, _) in zip(both, p["index"])]
+          dest = tuple(slice(l - a, h - a) for (l, h), (a, _) in zip(both, w))
           req = dict(name=name, index=p["index"], crc=p["crc"], sub=sub)
           if w in old and json.dumps(p["index"]) in base_crc:
             req["base_crc"] = base_crc[json.dumps(p["index"])]
           jobs.setdefault(p["server"], []).append((req, (w, dest)))
-          covered += math.prod(h - l for l, h in zip(lo, hi))
+          covered += math.prod(h - l for l, h in both)
         if covered != bufs[w].size:
           raise ValueError(f"manifest v{version}: pieces of {name!r} cover {covered} of the {bufs[w].size} "
                            f"elements of slice {w}")
-      again = {}  # server -> jobs whose delta did not rebuild the new bytes: fetched in full below
-      for k, full, got in pool.map(lambda k: (k, *_get(conns[k], version, base, jobs[k])), list(jobs)):
-        for (_, (w, dest)), a in full:
-          bufs[w][dest] = a
-          st["bytes"] += a.nbytes
-        for (req, (w, dest)), r in got:
-          st["bytes"] += len(r["data"])
-          st["pieces"][r["enc"]] = st["pieces"].get(r["enc"], 0) + 1
-          if r["changed"] >= 0:
-            st["changed_bytes"] += r["changed"] * dt.itemsize
-            st["covered_bytes"] += bufs[w][dest].nbytes
-          if not _apply(r, bufs[w], dest):
-            st["fallbacks"] += 1
-            again.setdefault(k, []).append(({kk: v for kk, v in req.items() if kk != "base_crc"}, (w, dest)))
-      for k, full, _ in pool.map(lambda k: (k, *_get(conns[k], version, None, again[k])), list(again)):
-        for (_, (w, dest)), a in full:
-          bufs[w][dest] = a
-          st["bytes"] += a.nbytes
+      while jobs:  # a second pass fetches in full the pieces whose delta did not rebuild the new bytes
+        again = {}  # server -> such jobs, without their base_crc
+        for k, full, got in pool.map(lambda k: (k, *_get(conns[k], version, base, jobs[k])), list(jobs)):
+          for (_, (w, dest)), a in full:
+            bufs[w][dest] = a
+            st["bytes"] += a.nbytes
+          for (req, (w, dest)), r in got:
+            st["bytes"] += len(r["data"])
+            st["pieces"][r["enc"]] = st["pieces"].get(r["enc"], 0) + 1
+            if r["changed"] >= 0:
+              st["changed_bytes"] += r["changed"] * dt.itemsize
+              st["covered_bytes"] += bufs[w][dest].nbytes
+            if not _apply(r, bufs[w], dest):
+              st["fallbacks"] += 1
+              again.setdefault(k, []).append(({kk: v for kk, v in req.items() if kk != "base_crc"}, (w, dest)))
+        jobs = again
       st["full_bytes"] += sum(b.nbytes for b in bufs.values())
       yield name, bufs
 
@@ -553,12 +544,6 @@ def _seconds(h, key, default, hi, clamp=True):
   if not clamp and x > hi:
     raise ValueError(f"{key}={x} exceeds the limit of {hi} s")
   return min(max(float(x), 0.0), hi)
-
-
-def _check_crcs(specs, crcs, what):
-  for s, c in zip(specs, crcs):
-    if s["crc"] != c:
-      raise _Refused("checksum", f"{what}: tensor {s['name']!r} crc {c} != declared {s['crc']}")
 
 
 def _cut(version, piece, sub):
@@ -696,8 +681,7 @@ class _Weights:
     specs, parts = [], []
     for w, piece in zip(want, found):
       part, crc, shape = _cut(version, piece, w.get("sub"))
-      spec = piece[0]
-      specs.append(dict(name=spec["name"], dtype=spec["dtype"], shape=shape, nbytes=len(part), crc=crc))
+      specs.append(dict(name=piece[0]["name"], dtype=piece[0]["dtype"], shape=shape, nbytes=len(part), crc=crc))
       parts.append(part)
     return {"version": version, "tensors": specs, "digest": _digest(version, specs)}, parts
 
@@ -768,14 +752,9 @@ class _Disk:
     while mv:
       mv = mv[os.write(fd, mv):]
 
-  def fsync(self, fd):
-    os.fsync(fd)
-
-  def truncate(self, fd, size):
-    os.ftruncate(fd, size)
-
-  def replace(self, src, dst):
-    os.replace(src, dst)
+  fsync = staticmethod(os.fsync)
+  truncate = staticmethod(os.ftruncate)  # (fd, size)
+  replace = staticmethod(os.replace)
 
   def point(self, name):
     pass
@@ -803,8 +782,7 @@ class _Queue:
     self.acked = collections.OrderedDict()   # id -> None, bounded
     self.failures = {}                        # id -> failures reported (FAIL) for a live item
     self.quarantined = collections.OrderedDict()  # id -> {"reason", "failures"}, bounded like acked
-    self.nbytes = 0
-    self.cond = threading.Condition()
+    self.nbytes, self.cond = 0, threading.Condition()
     self.path = os.path.join(cfg.run_dir, f"queue-{name}.log") if cfg.run_dir else None
     self.log, self.log_bytes, self.broken = None, 0, False
     if self.path:
@@ -837,8 +815,7 @@ class _Queue:
         elif op == 2:
           self.ack_ids(hdr["ids"])
         elif op == 3 and "failures" in hdr:  # a quarantine entry as compaction writes it
-          self._remember(self.quarantined, hdr["quarantined"][0], {"reason": hdr["reason"],
-                                                                   "failures": hdr["failures"]})
+          self._remember(self.quarantined, hdr["quarantined"][0], {k: hdr[k] for k in ("reason", "failures")})
         elif op == 3:
           self.apply_fail(hdr["ids"], hdr["reason"], hdr["quarantined"], release=False)
         off = good = end
@@ -850,8 +827,7 @@ class _Queue:
       log.error("%s: compaction at startup failed (%s); appending to the existing log", self.path, e)
       if os.path.exists(self.path):
         os.truncate(self.path, good)
-      self.log = DISK.open_append(self.path)
-      self.log_bytes = good
+      self.log, self.log_bytes = DISK.open_append(self.path), good
 
   def _compact(self):
     """Rewrites the log from memory (ready and leased items, acked ids, failure counts, quarantine):
@@ -868,8 +844,7 @@ class _Queue:
       for i, n in self.failures.items():
         DISK.write(fd, self.record(3, {"ids": [i] * n, "reason": "", "quarantined": []}))
       for i, r in self.quarantined.items():
-        DISK.write(fd, self.record(3, {"ids": [], "reason": r["reason"], "quarantined": [i],
-                                       "failures": r["failures"]}))
+        DISK.write(fd, self.record(3, {"ids": [], "quarantined": [i], **r}))  # r: {"reason", "failures"}
       DISK.fsync(fd)
       DISK.point("compact_tmp")
     except BaseException:
@@ -907,8 +882,7 @@ class _Queue:
           DISK.truncate(self.log, self.log_bytes)
           DISK.fsync(self.log)
         except OSError:
-          log.error("%s: cannot cut a failed append off; the log will be rewritten before the next change",
-                    self.path)
+          log.error("%s: cannot cut a failed append off; the log will be rewritten before the next change", self.path)
           self.broken = True
         raise
     except OSError as e:
@@ -1036,8 +1010,7 @@ class _Queues:
       if not isinstance(arrays, dict) or not isinstance(m.get("json", {}), dict):
         raise ValueError(f"item {m['id']!r}: 'arrays' and 'json' must be objects")
       specs = [s for v in arrays.values() for s in (v if isinstance(v, list) else [v])]
-      n = sum(_check_specs(specs, sum(s.get("nbytes", 0) for s in specs if isinstance(s, dict)),
-                           f"item {m['id']!r}"))
+      n = sum(_check_specs(specs, sum(s.get("nbytes", 0) for s in specs if isinstance(s, dict)), f"item {m['id']!r}"))
       if n > cap_bytes:
         raise ValueError(f"item {m['id']!r} is {n} bytes, more than the whole queue may hold")
       items.append((m["id"], {"json": m.get("json", {}), "arrays": arrays, "nbytes": n}, total, n))
@@ -1060,21 +1033,16 @@ class _Queues:
                 "unknown": [i for i, _, _ in items if i not in new]}, ()
       new, new_bytes, dups, rejected, seen = {}, 0, [], [], set()  # new: applied once its records are durable
 
-      def room(n):
+      def room(n):  # acks make room (an expired lease still holds its item's place)
         return (len(q.ready) + len(q.leased) + len(new) < self.cfg.max_queue_items
                 and q.nbytes + new_bytes + n <= cap_bytes)
-
-      def room_after_reclaim(n):  # acks and expired leases make room
-        if not room(n):
-          q.reclaim()
-        return room(n)
 
       for i, meta, blob in items:
         if q.known(i) or i in seen:
           dups.append(i)
           continue
         seen.add(i)
-        if not _wait(q.cond, lambda: room_after_reclaim(len(blob)), end, self.stopped, tick=0.5):  # back-pressure
+        if not _wait(q.cond, lambda: room(len(blob)), end, self.stopped, tick=0.5):  # back-pressure
           rejected.append(i)
           end = 0.0  # the queue is full: do not wait again for each remaining item
           continue
@@ -1155,8 +1123,7 @@ class _Queues:
       q.apply_fail(mine, reason, quarantine)
       q.maybe_compact()
     for i in quarantine:
-      log.warning("queue %r: item %r quarantined after %d failures: %s", q.name, i, self.cfg.max_failures,
-                  reason[:200])
+      log.warning("queue %r: item %r quarantined after %d failures: %s", q.name, i, self.cfg.max_failures, reason[:200])
     return {"failed": mine, "quarantined": quarantine}, ()
 
   def requeue(self, h, payload):
@@ -1185,10 +1152,8 @@ class _Conn:
     self.state, self.since = state, time.monotonic()
 
   def kick(self):
-    try:
+    with contextlib.suppress(OSError):
       self.sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-      pass
 
 
 class _Payload:
@@ -1214,16 +1179,14 @@ class Server:
   Server(cfg).start() serves in background threads; .stop() shuts it down."""
 
   def __init__(self, cfg: ServerConfig):
-    if cfg.max_versions < 1:
-      raise ValueError(f"max_versions must be >= 1, got {cfg.max_versions}")
+    if min(cfg.max_versions, cfg.max_failures, cfg.max_clients) < 1:
+      raise ValueError(f"max_versions, max_failures and max_clients must be >= 1, got {cfg.max_versions}, "
+                       f"{cfg.max_failures}, {cfg.max_clients}")
     if cfg.token is not None and not cfg.token:
       raise ValueError("token must be a non-empty string or None")
-    if cfg.max_failures < 1 or cfg.max_clients < 1:
-      raise ValueError(f"max_failures and max_clients must be >= 1, got {cfg.max_failures}, {cfg.max_clients}")
-    self.cfg = cfg
+    self.cfg, self._stopped = cfg, threading.Event()
     self._max_header = int(cfg.max_header_kb * 1024)
     self._untrusted_header = min(int(cfg.untrusted_header_kb * 1024), self._max_header)
-    self._stopped = threading.Event()
     self.weights, self.queues = _Weights(cfg, self._stopped), _Queues(cfg, self._stopped)
     w, q, big = self.weights, self.queues, int(cfg.max_payload_mb * (1 << 20))
     # type -> (handler, payload cap). A manifest grows with tensors x trainer shards (MBs for a 32B model on a pod),
@@ -1237,10 +1200,8 @@ class Server:
     self._epoch_lock = threading.Lock()
     self._epoch_path = os.path.join(cfg.run_dir, "trainer_epoch") if cfg.run_dir else None
     self.epoch = int(open(self._epoch_path).read()) if self._epoch_path and os.path.exists(self._epoch_path) else 0
-    self._conns = {}                            # socket -> _Conn
-    self._conn_lock = threading.Lock()
-    self._threads = []
-    self._started = time.monotonic()
+    self._conns, self._conn_lock = {}, threading.Lock()  # socket -> _Conn
+    self._threads, self._started = [], time.monotonic()
     # A deep accept queue: when it is full the kernel drops a newcomer's SYN, which costs that client 1 s.
     self._sock = socket.create_server((cfg.host, cfg.port), backlog=max(128, min(cfg.max_clients, 4096)))
     self.port = self._sock.getsockname()[1]
@@ -1361,19 +1322,15 @@ class Server:
     for c in self._conns.values():  # fast path (O(1) in a flood of idle ones): dict order is accept order
       if not c.trusted and c.state == "idle":
         return c
-    rank = {"idle": 0, "header": 1, "busy": 2}
     anon = [c for c in self._conns.values() if not c.trusted]
     if anon:
-      return min(anon, key=lambda c: (rank[c.state], c.since))
-    idle = [c for c in self._conns.values() if c.state == "idle"]
-    return min(idle, key=lambda c: c.since) if idle else None
+      return min(anon, key=lambda c: (("idle", "header", "busy").index(c.state), c.since))
+    return min((c for c in self._conns.values() if c.state == "idle"), key=lambda c: c.since, default=None)
 
   def _reply_error(self, conn, code, msg):
-    try:
+    with contextlib.suppress(OSError):
       # Tiny frame: it fits the socket buffer at once unless the peer stopped reading (then give up fast).
       _send_frame(conn, ERROR, {"error": msg, "code": code}, deadline=time.monotonic() + 0.5)
-    except OSError:
-      pass
 
   def _serve_conn(self, c, addr):
     conn = c.sock
@@ -1424,8 +1381,7 @@ class Server:
     if plen > cap:
       raise ProtocolError(f"{name}: payload length {plen} exceeds the limit of {cap} bytes")
     tok = header.get("token")
-    if isinstance(tok, str) and self.cfg.token is not None and hmac.compare_digest(tok.encode(),
-                                                                                    self.cfg.token.encode()):
+    if isinstance(tok, str) and self.cfg.token and hmac.compare_digest(tok.encode(), self.cfg.token.encode()):
       c.trusted = True
     # STAGED with "keep" collects staged versions: a write, so it needs the token like STAGE and COMMIT.
     writes = mtype in NEEDS_TOKEN or (mtype == STAGED and header.get("keep") is not None)
@@ -1455,7 +1411,6 @@ class Server:
         reply[2]()
       raise
 
-
   def _register(self, h, payload):
     with self._epoch_lock:
       self.epoch += 1
@@ -1484,7 +1439,7 @@ def _opens_with_auth(conn):
 def _linger_close(conn, max_bytes=1 << 20, max_s=0.2):
   """Half-closes, then discards a bounded amount of unread input: closing with unread bytes would make the
   kernel send RST, which destroys the error reply before the peer reads it."""
-  try:
+  with contextlib.suppress(OSError):
     conn.shutdown(socket.SHUT_WR)
     end, left = time.monotonic() + max_s, max_bytes
     while left > 0 and time.monotonic() < end:
@@ -1493,8 +1448,6 @@ def _linger_close(conn, max_bytes=1 << 20, max_s=0.2):
       if k == 0:
         break
       left -= k
-  except OSError:
-    pass
 
 
 def serve(cfg: ServerConfig, port_file=None):
@@ -1545,19 +1498,16 @@ class Client:
     self.host, self.port, self.token = host, port, token
     self.epoch = None  # set by register_trainer: then sent with every request, so a newer trainer fences this one
     self.timeout_s, self.retries, self.backoff_s, self.max_backoff_s = timeout_s, retries, backoff_s, max_backoff_s
-    self._sock = None
-    self._lock = threading.Lock()
+    self._sock, self._lock = None, threading.Lock()
 
   def close(self):
     with self._lock:
       self._drop()
 
   def _drop(self):
-    if self._sock is not None:
-      try:
-        self._sock.close()
-      finally:
-        self._sock = None
+    sock, self._sock = self._sock, None
+    if sock is not None:
+      sock.close()
 
   def _request(self, mtype, header, parts=(), wait_s=0.0, tensors=False):
     """One request/reply -> (reply header, payload buffer)."""
@@ -1598,10 +1548,8 @@ class Client:
 
   def _exchange(self, mtype, header, parts, wait_s, tensors):
     nbytes = sum(memoryview(p).nbytes for p in parts)
-    try:
+    with contextlib.suppress(OSError):  # the server may have refused early and closed: its error reply may be readable
       _send_frame(self._sock, mtype, header, parts, deadline=time.monotonic() + self.timeout_s + nbytes / 50e6)
-    except OSError:
-      pass  # the server may have refused early and closed; its error reply may still be readable
     got = _read_prefix_header(self._sock, time.monotonic() + self.timeout_s + wait_s, self.timeout_s, 1 << 30)
     if got is None:
       raise ConnectionError("server closed the connection")
@@ -1615,9 +1563,7 @@ class Client:
     if tensors:  # a FETCH reply: every tensor's crc and the table's digest are checked
       specs = h["tensors"]
       crcs = _recv_with_crcs(self._sock, buf, _check_specs(specs, plen, "fetch reply"), deadline, "tensors")
-      for s, c in zip(specs, crcs):
-        if s["crc"] != c:
-          raise ChecksumError(f"v{h['version']}: tensor {s['name']!r} crc {c} != {s['crc']}")
+      _check_crcs(specs, crcs, f"v{h['version']}", ChecksumError)
       if h["digest"] != _digest(h["version"], specs):
         raise ChecksumError(f"v{h['version']}: tensor table digest mismatch")
     else:
@@ -1718,25 +1664,21 @@ class Client:
           except (TypeError, ValueError) as e:
             raise ValueError(f"{what} is neither JSON-able nor an np.ndarray: {e}") from None
       metas.append({"id": it["id"], "json": js, "arrays": arrays})
-    h = {"queue": queue, "items": metas, "wait_s": float(wait_s)}
-    if release:
-      h["release"] = True
+    h = {"queue": queue, "items": metas, "wait_s": float(wait_s), "release": release}
     return self._request(PUT, h, parts, wait_s=wait_s)[0]
 
   def get(self, queue: str, max_items: int, wait_s: float = 0.0, lease_s: float = 300.0):
     """Leases up to max_items items (waits up to wait_s for the first). Unacked items return after lease_s."""
     h, buf = self._request(GET, {"queue": queue, "max_items": int(max_items), "wait_s": float(wait_s),
                                  "lease_s": float(lease_s)}, wait_s=wait_s)
-    out, off = [], 0
+    out, off = [], 0  # items and their arrays lie back to back in the payload
     for m in h["items"]:
       item = {"id": m["id"], **m["json"]}
-      base = off
       for k, spec in m["arrays"].items():
         specs = spec if isinstance(spec, list) else [spec]
-        arrs = _views(buf, specs, base)
-        base += sum(s["nbytes"] for s in specs)
+        arrs = _views(buf, specs, off)
+        off += sum(s["nbytes"] for s in specs)
         item[k] = arrs if isinstance(spec, list) else arrs[0]
-      off += m["nbytes"]
       out.append(item)
     return out
 
@@ -1825,30 +1767,26 @@ def _main():
   flags.DEFINE_string("token_file", None, "File with the shared secret; created with a random token if "
                       "missing (default: none, so stage/commit/put/get/ack/requeue are refused).")
   flags.DEFINE_string("run_dir", None, "Directory for the queue logs (default: none, in memory only).")
-  d = ServerConfig()
-  flags.DEFINE_integer("max_versions", d.max_versions, f"Committed weight versions kept (count, default "
-                       f"{d.max_versions}).")
-  flags.DEFINE_integer("max_queue_items", d.max_queue_items,
-                       f"Per-queue cap on ready+leased items (count, default {d.max_queue_items}).")
-  flags.DEFINE_float("max_queue_mb", d.max_queue_mb, f"Per-queue cap on item bytes (MiB, default {d.max_queue_mb}).")
-  flags.DEFINE_integer("max_acked_ids", d.max_acked_ids, f"Acked ids remembered per queue (count, default "
-                       f"{d.max_acked_ids}).")
-  flags.DEFINE_float("max_payload_mb", d.max_payload_mb, f"Cap on one staged piece or manifest (MiB, default "
-                     f"{d.max_payload_mb}).")
-  flags.DEFINE_float("max_put_mb", d.max_put_mb, f"Cap on one put / get reply (MiB, default {d.max_put_mb}).")
-  flags.DEFINE_float("max_header_kb", d.max_header_kb, f"Cap on a frame header (KiB, default {d.max_header_kb}).")
-  flags.DEFINE_integer("max_clients", d.max_clients, f"Concurrent connections (count, default {d.max_clients}).")
-  flags.DEFINE_float("idle_timeout_s", d.idle_timeout_s, f"Idle connection timeout (s, default {d.idle_timeout_s}).")
-  flags.DEFINE_float("header_timeout_s", d.header_timeout_s, f"Time for a frame's prefix+header to arrive "
-                     f"(s, default {d.header_timeout_s}).")
-  flags.DEFINE_float("min_rate_mb_s", d.min_rate_mb_s, f"Slowest accepted payload rate (MB/s, default "
-                     f"{d.min_rate_mb_s}).")
-  flags.DEFINE_float("max_wait_s", d.max_wait_s, f"Cap on server-side waits (s, default {d.max_wait_s}).")
-  flags.DEFINE_bool("fsync", d.fsync, f"fsync queue logs before replying (default {d.fsync}).")
-  flags.DEFINE_float("untrusted_header_kb", d.untrusted_header_kb, f"Cap on a frame header before the "
-                     f"connection authenticated (KiB, default {d.untrusted_header_kb}).")
-  flags.DEFINE_integer("max_failures", d.max_failures, f"FAIL reports after which a queue item is quarantined "
-                       f"(count, default {d.max_failures}).")
+  # ServerConfig fields with a flag of their own: help, "{}" being ServerConfig's default.
+  d, define = ServerConfig(), {int: flags.DEFINE_integer, float: flags.DEFINE_float, bool: flags.DEFINE_bool}
+  for name, text in [("max_versions", "Committed weight versions kept (count, default {})."),
+                     ("max_queue_items", "Per-queue cap on ready+leased items (count, default {})."),
+                     ("max_queue_mb", "Per-queue cap on item bytes (MiB, default {})."),
+                     ("max_acked_ids", "Acked ids remembered per queue (count, default {})."),
+                     ("max_payload_mb", "Cap on one staged piece or manifest (MiB, default {})."),
+                     ("max_put_mb", "Cap on one put / get reply (MiB, default {})."),
+                     ("max_header_kb", "Cap on a frame header (KiB, default {})."),
+                     ("max_clients", "Concurrent connections (count, default {})."),
+                     ("idle_timeout_s", "Idle connection timeout (s, default {})."),
+                     ("header_timeout_s", "Time for a frame's prefix+header to arrive (s, default {})."),
+                     ("min_rate_mb_s", "Slowest accepted payload rate (MB/s, default {})."),
+                     ("max_wait_s", "Cap on server-side waits (s, default {})."),
+                     ("fsync", "fsync queue logs before replying (default {})."),
+                     ("untrusted_header_kb", "Cap on a frame header before the connection authenticated (KiB, "
+                      "default {})."),
+                     ("max_failures", "FAIL reports after which a queue item is quarantined (count, default {}).")]:
+    default = getattr(d, name)
+    define[type(default)](name, default, text.format(default))
   FLAGS = flags.FLAGS
 
   def main(argv):
