@@ -433,6 +433,9 @@ run_local() {
   fi
   eval_flags+=(--max_new_tokens="$MAX_NEW" --template="$TEMPLATE")
   [ -n "$EVAL_JSONL" ] && eval_flags+=(--eval_jsonl="$EVAL_JSONL")
+  local wf; for wf in $WORKER_ARGS; do  # eval scores as the workers do
+    case "$wf" in --math_strict*|--nomath_strict) eval_flags+=("$wf") ;; esac
+  done
   if [ $SKIP_EVAL = 0 ] && [ ! -f "$RUN_DIR/eval_before.json" ]; then
     echo "== pass@k of the base policy on held-out problems"
     run_eval "$base" before

@@ -107,3 +107,13 @@ def test_logprob_memory_report_runs():
 def test_kernel_bench_reference_cases_run(capsys):
   bench_kernels._bench_cases("ref", jnp.float32, 1, 16, 2, 1, 8, 32, 1e9, 1e9, "ref")
   assert capsys.readouterr().out.count("GFLOP/s") == 3  # attention fwd, fwd+bwd, ragged decode
+
+
+def test_real_model_heldout_numbers_never_in_training():
+  import re
+  from bench import real_model
+  pairs = lambda split, n: {tuple(map(int, re.findall(r"\d+", d["prompt"])[:2])) for d in real_model.word_problems(split, n)}  # noqa: E731
+  train, held = pairs("train", 2000), pairs("heldout", 50)
+  assert held and not train & held
+  assert all(d["answer"] == str(sum(map(int, re.findall(r"\d+", d["prompt"])[:2])))
+             for d in real_model.word_problems("heldout", 50))
