@@ -41,7 +41,7 @@ import numpy as np
 import common
 from tasks import TASKS, TOKENIZER_CORPUS
 from tasks.math_answer import GSM8K_FINAL, extract_answer
-from tasks.sandbox import SandboxLimits
+from tasks.sandbox import SandboxLimits, SandboxUnavailable, call_test
 
 EVAL_BUCKET = 200  # of 1000 hash buckets: 20% of all possible generated problems are held out
 # Row lengths a batch pads to (powers of two: few compiled shapes); train's (x2 past 4096: buckets_for) and Engine's
@@ -163,6 +163,10 @@ def _parse_tests(raw, where):
   out = []
   for i, t in enumerate(raw):
     if isinstance(t, str):
+      try:
+        call_test(t)
+      except ValueError as e:
+        raise ValueError(f"{where}: tests[{i}]: {e}") from None
       out.append(t)
     elif isinstance(t, dict) and isinstance(t.get("input"), str) and isinstance(t.get("output"), str):
       out.append((t["input"], t["output"]))
@@ -574,6 +578,8 @@ def _pool_worker(conn, limits, tmp_dir, strict_math):
       return
     try:
       conn.send((idx, verify(problem, completion, limits, strict_math), None))
+    except SandboxUnavailable as e:  # the host's setup, not the item: score() raises it, the worker fails the item
+      conn.send((idx, 0.0, e))
     except Exception as e:  # a verifier bug must not take the pool down
       conn.send((idx, 0.0, f"{type(e).__name__}: {e}"))
 
@@ -630,6 +636,7 @@ class VerifierPool:
     if not self._workers:
       self._workers = self._await_ready([self._spawn() for _ in range(self.max_workers)])
     scores, pending, free = [0.0] * len(problems), deque(range(len(problems))), list(self._workers)
+    refused = None
     busy = {}  # connection -> (worker, index, start time)
     while pending or busy:
       while pending and free:
@@ -642,7 +649,9 @@ class VerifierPool:
         w, i, _ = busy.pop(conn)
         try:
           _, scores[i], err = conn.recv()
-          if err is not None:
+          if isinstance(err, SandboxUnavailable):
+            refused = err
+          elif err is not None:
             self.errors, self.last_error = self.errors + 1, err
           free.append(w)
         except (EOFError, OSError):  # the worker died mid-call: score 0, replace it
@@ -654,6 +663,8 @@ class VerifierPool:
           del busy[conn]
           self.timeouts += 1
           free.append(self._replace(w))
+    if refused is not None:
+      raise refused
     return scores
 
   def _replace(self, w):

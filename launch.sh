@@ -55,6 +55,10 @@ setup_venv() {  # setup_venv REQUIREMENTS [NO_DEPS_REQUIREMENTS]: the second fil
     touch "$stamp"
   fi
   PY="$VENV/bin/python"
+  # bubblewrap is the code sandbox's isolation (tasks/sandbox.py); without it workers refuse task=code items.
+  command -v bwrap >/dev/null || { if [ "$(id -u)" = 0 ]; then apt-get install -y -q bubblewrap || \
+      { apt-get update -q && apt-get install -y -q bubblewrap; }; else sudo -n apt-get install -y -q bubblewrap; fi
+    } >/dev/null 2>&1 || echo "launch.sh: could not install bubblewrap: task=code items will be refused" >&2
 }
 
 # ---------------------------------------------------------------------------------------------------------------

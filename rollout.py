@@ -56,6 +56,9 @@ def define_flags():
   flags.DEFINE_float("drain_s", 10.0, "On SIGTERM, seconds spent finishing in-flight groups. Default 10.")
   flags.DEFINE_integer("verifier_workers", 2, "Verifier process-pool size. Default 2.")
   flags.DEFINE_float("verifier_timeout_s", 10.0, "Per-completion verifier timeout in seconds. Default 10.")
+  flags.DEFINE_bool("unsafe_code_sandbox", False, "task=code without bubblewrap: run candidate code with rlimits "
+                    "only, no isolation (trusted code only); False refuses code items when bwrap is missing. "
+                    "Default False.")
   flags.DEFINE_integer("max_failures_in_a_row", 8, "Prompts that may fail (reported to the server) in a row before "
                        "the worker treats itself as broken and exits (count). Default 8.")
   # Eval mode (the held-out set: common.define_shared_flags).
@@ -359,7 +362,8 @@ def run_worker():
   host, port = FLAGS.server.rsplit(":", 1)
   client = lambda: param_server.Client(host, int(port), token=token, retries=FLAGS.server_retries)  # noqa: E731
   tok = data.load_tokenizer(FLAGS.tokenizer)
-  pool = data.VerifierPool(FLAGS.verifier_workers, timeout_s=FLAGS.verifier_timeout_s, strict_math=FLAGS.math_strict)
+  pool = data.VerifierPool(FLAGS.verifier_workers, timeout_s=FLAGS.verifier_timeout_s, strict_math=FLAGS.math_strict,
+                           limits=data.SandboxLimits(unsafe=FLAGS.unsafe_code_sandbox))
   w = wait_for_weights(stop, client(), tok)
   if w is None:
     return

@@ -1,12 +1,9 @@
-"""Tests for data.py and tasks/: tokenizer, jsonl datasets, prompt stream, built-in tasks, verifiers (incl.
-adversarial code in the sandbox), verifier pool, pass rates, batching. Run: python -m pytest -q tests/test_data.py"""
-import dataclasses
+"""Tests for data.py and tasks/: tokenizer, jsonl datasets, prompt stream, built-in tasks, verifiers, the verifier
+pool, pass rates, batching (the code sandbox: tests/test_sandbox.py). Run: python -m pytest -q tests/test_data.py"""
 import json
 import os
 import shutil
-import socket
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -169,7 +166,7 @@ def test_jsonl_roundtrip(tmp_path):
     ('{"id": "b", "prompt": "x", "answer": "1", "task": "poetry"}', "'task'"),
     ('{"id": "b", "prompt": "x", "answer": "1", "tests": [{"input": 1}]}', r"tests\[0\]"),
     ('{"id": "b", "prompt": "x", "answer": "1", "task": "code"}', "needs a non-empty 'tests'"),
-    ('{"id": "b", "prompt": "x", "answer": "1", "tests": ["assert 1", {"input": "", "output": ""}]}', "mixes"),
+    ('{"id": "b", "prompt": "x", "answer": "1", "tests": ["assert f(1) == 1", {"input": "", "output": ""}]}', "mixes"),
     ('{"id": "a", "prompt": "x", "answer": "1"}', "duplicate id 'a' .first seen on line 1"),
 ])
 def test_jsonl_errors_name_file_and_line(tmp_path, line, match):
@@ -263,171 +260,6 @@ def test_math_verifier():
   assert data.verify(p, "First \\boxed{0.5}. Wait, actually \\boxed{2}") == 0.0
   assert data.verify(Problem("m", "?", "1234", "math"), "Total: 1,234", strict_math=False) == 1.0
   assert data.verify(Problem("m", "?", "1234", "math"), "Total: 1,234") == 0.0  # strict: only \boxed{} counts
-
-
-# -------------------------------------------------------------------------------------------- code sandbox
-
-FAST = sandbox.SandboxLimits(wall_s=3.0, cpu_s=2, mem_mb=256, output_bytes=1 << 16)
-
-
-def run(code, tests=(("", "ok"),), limits=FAST):
-  return sandbox.run_code(code, tests, limits)
-
-
-def test_code_passes_and_fails():
-  r = run("print(sum(map(int, input().split())))", [("1 2\n", "3\n"), ("5 5", "10")])
-  assert r.passed and r.reason == "ok", r
-  assert not run("print(sum(map(int, input().split())) + 1)", [("1 2\n", "3\n")]).passed
-  assert run("def f(x):\n  return 2 * x\n", ["assert f(2) == 4", "assert f(0) == 0"]).passed
-  assert not run("def f(x):\n  return 2 * x\n", ["assert f(2) == 5"]).passed
-  assert not run("raise RuntimeError('crash')").passed
-  assert not run("def f(:").passed  # syntax error
-  # Writing and reading back inside the work dir is allowed (the hook is not denying everything).
-  assert run("open('a.txt', 'w').write('ok')\nprint(open('a.txt').read())").passed
-  assert run("import sys\nprint('ok')\nsys.exit(0)").passed  # a normal exit(0) ends an io test fine
-  p = Problem("c", "?", "", "code", (("2\n", "4"),))
-  assert data.verify(p, "Sure:\n```python\nprint(int(input()) ** 2)\n```\n") == 1.0
-  assert data.verify(p, "print(int(input()) * 3)") == 0.0
-
-
-def test_code_exit_cheats_fail():
-  for cheat in ("import os\nos._exit(0)", "import sys\nsys.exit(0)", "raise SystemExit(0)"):
-    assert not run("def f(x):\n  return 0\n" + cheat, ["assert f(2) == 4"]).passed, cheat
-  frame_walk = ("try:\n  raise ValueError\nexcept ValueError as e:\n  f = e.__traceback__.tb_frame\n"
-                "  print(f.f_back.f_locals)\n")
-  r = run(frame_walk + "print('ok')")
-  assert not r.passed and "object.__getattr__" in r.stderr, r
-
-
-def test_code_infinite_loop_and_cpu_limit():
-  t = time.monotonic()
-  r = run("while True:\n  pass")
-  assert not r.passed and r.reason in ("timeout", "killed by signal 24", "killed by signal 9")
-  assert time.monotonic() - t < FAST.wall_s + 2
-  t = time.monotonic()
-  r = run("import time\ntime.sleep(100)")  # no CPU use: only the wall-time kill can stop it
-  assert r.reason == "timeout" and time.monotonic() - t < FAST.wall_s + 2
-
-
-def test_code_huge_output_capped():
-  t = time.monotonic()
-  assert not run("print('x' * (1 << 30))").passed  # 1 GB string: RLIMIT_AS
-  assert not run("while True:\n  print('x' * 100000)").passed  # unbounded captured stdout
-  r = run("import os\nwhile True:\n  os.write(1, b'x' * 100000)")  # straight to fd 1: RLIMIT_FSIZE
-  assert not r.passed
-  r = run("import sys\nwhile True:\n  sys.stderr.write('e' * 100000)")
-  assert not r.passed and len(r.stderr) <= 2000
-  assert time.monotonic() - t < 4 * FAST.wall_s
-
-
-def test_code_fork_bomb_guarded():
-  t = time.monotonic()
-  r = run("import os\nwhile True:\n  os.fork()")
-  assert not r.passed and "os.fork" in r.stderr, r
-  assert not run("import subprocess\nsubprocess.run(['sh', '-c', ':(){ :|:& };:'])").passed
-  assert not run("import multiprocessing\nmultiprocessing.Process(target=print).start()").passed
-  assert time.monotonic() - t < 3 * FAST.wall_s
-  # Without the audit hook the OS layer (RLIMIT_NPROC=0 for a non-root uid) still refuses to fork.
-  r = run("import os\ntry:\n  os.fork()\n  print('forked')\nexcept OSError:\n  print('ok')",
-          limits=dataclasses.replace(FAST, audit_hook=False))
-  assert r.passed, r
-
-
-def test_code_cannot_read_outside_tmp(tmp_path):
-  secret = tmp_path / "secret.txt"
-  secret.write_text("s3cret")
-  secret.chmod(0o644)
-  for path in ("/etc/passwd", str(secret), "../result", "/proc/self/environ"):
-    probe = (f"try:\n  open({path!r}).read()\n  print('read it')\n"
-             f"except PermissionError as e:\n  print('ok' if 'sandbox:' in str(e) else e)")  # denied by the hook
-    r = run(probe)
-    assert r.passed, (path, r)
-  assert run("import os\ntry:\n  os.listdir('/')\nexcept PermissionError:\n  print('ok')").passed
-  assert run("import os\ntry:\n  os.symlink('/etc/passwd', 'p')\nexcept PermissionError:\n  print('ok')").passed
-  assert run("try:\n  open('/tmp/x_from_sandbox', 'w')\nexcept PermissionError:\n  print('ok')").passed
-  # Reads under the Python prefix are allowed (imports need them), writes there are not, whatever the API.
-  prefix_file = os.path.join(sys.base_prefix, "lib", "x_from_sandbox")
-  r = run(f"import os\ntry:\n  os.open({prefix_file!r}, os.O_WRONLY | os.O_CREAT)\n"
-          f"except PermissionError as e:\n  print('ok' if 'sandbox:' in str(e) else e)")  # the hook, not the OS
-  assert r.passed, r
-  assert run("import os\nopen('a', 'w').close()\nos.close(os.open('a', os.O_RDONLY))\nprint('ok')").passed
-  assert not os.path.exists(prefix_file)
-
-
-# Every known way a candidate could read its spec, forge a pass or write outside its temp dir (issue 15). Each
-# program prints "ok"/passes only if the trick worked, so the sandbox must score every one of them 0.
-def _tricks(outside, site_dir):
-  import _ctypes
-  so = _ctypes.__file__
-  return {
-      # Re-read the spec from fd 0 (it used to be a seekable file) and write the nonce to the result fd.
-      "seek_stdin_for_nonce": ("import os, json\nos.lseek(0, 0, 0)\ns = json.loads(os.read(0, 1 << 20))\n"
-                               "os.write(s['result_fd'], ('\\n' + s['nonce'] + ' done\\n').encode())", ["assert 1 == 2"]),
-      # Print the expected output read from the spec (it used to be there).
-      "print_expected_from_spec": ("import os, json\nos.lseek(0, 0, 0)\nprint(json.loads(os.read(0, 1 << 20))['tests'][0][1])",
-                                   [("", "secret-42")]),
-      "read_proc_self_fd0": ("print(open('/proc/self/fd/0').read())", [("", "secret-42")]),
-      # Forge result lines on every fd it might have.
-      "forge_result_fds": ("import os\nfor fd in range(3, 64):\n  try:\n    os.write(fd, b'done\\nok\\n')\n  except OSError:\n"
-                           "    pass\nraise SystemExit(0)", ["assert 1 == 2"]),
-      "dir_fd_escape": (f"import os\nfd = os.open({outside!r}, os.O_RDONLY)\n"
-                        f"os.close(os.open('x', os.O_WRONLY | os.O_CREAT, dir_fd=fd))\nprint('ok')", [("", "ok")]),
-      "pth_into_site": (f"open({site_dir + '/zz_sandbox.pth'!r}, 'w').write('import os')\nprint('ok')", [("", "ok")]),
-      "symlink_out_then_write": (f"import os\nos.symlink({outside!r}, 'l')\nopen('l/x', 'w')\nprint('ok')", [("", "ok")]),
-      "proc_self_cwd_dotdot": ("open('/proc/self/cwd/../x', 'w')\nprint('ok')", [("", "ok")]),
-      "write_proc_self_fd": ("open('/proc/self/fd/1', 'w').write('x')\nprint('ok')", [("", "ok")]),
-      "mkfifo": (f"import os\nos.mkfifo({outside + '/x'!r})\nprint('ok')", [("", "ok")]),
-      "mknod": (f"import os, stat\nos.mknod({outside + '/x'!r}, stat.S_IFREG | 0o644)\nprint('ok')", [("", "ok")]),
-      "posix_mkfifo": (f"import posix\nposix.mkfifo({outside + '/x'!r})\nprint('ok')", [("", "ok")]),
-      "ctypes_via_ExtensionFileLoader": (
-          f"import importlib.machinery as m\nl = m.ExtensionFileLoader('_ctypes', {so!r})\n"
-          f"l.create_module(m.ModuleSpec('_ctypes', l, origin={so!r}))\nprint('ok')", [("", "ok")]),
-      "disk_quota_300_files": ("for i in range(300):\n  open(f'f{i}', 'wb').write(b'x' * 60000)\nprint('ok')", [("", "ok")]),
-  }
-
-
-TRICK_NAMES = list(_tricks("/x", "/y"))
-
-
-@pytest.mark.parametrize("hook", [True, False], ids=["hook", "no_hook"])
-def test_code_known_tricks_score_zero(hook):
-  outside = tempfile.mkdtemp(prefix="sandbox-outside-")
-  os.chmod(outside, 0o777)  # writable by anyone: only the sandbox, not file permissions, can stop the writes
-  site_dir = tempfile.mkdtemp(prefix="sandbox-site-")
-  os.chmod(site_dir, 0o777)  # stands for a writable site-packages
-  limits = dataclasses.replace(FAST, audit_hook=hook)
-  try:
-    for name, (code, tests) in _tricks(outside, site_dir).items():
-      if not hook and name in ("dir_fd_escape", "pth_into_site", "symlink_out_then_write", "proc_self_cwd_dotdot",
-                               "disk_quota_300_files"):
-        continue  # these need the audit hook (the OS layer alone cannot see them when paths are writable)
-      r = run(code, tests, limits)
-      assert not r.passed, (name, r)
-      print(f"| {name} ({'hook' if hook else 'OS layer only'}) | scores 0: {r.stderr.strip()[-100:] or r.reason} |")
-      assert os.listdir(outside) == [] and os.listdir(site_dir) == [], (name, os.listdir(outside))
-  finally:
-    shutil.rmtree(outside, ignore_errors=True)
-    shutil.rmtree(site_dir, ignore_errors=True)
-  # The same harness still passes honest programs in both modes (the tricks fail for the right reason).
-  assert run("print(input())", [("hi\n", "hi"), ("x", "x")], limits).passed
-  assert run("def f(x):\n  return x + 1", ["assert f(1) == 2"], limits).passed
-
-
-def test_code_no_network():
-  server = socket.socket()
-  server.bind(("127.0.0.1", 0))
-  server.listen(1)
-  port = server.getsockname()[1]
-  try:
-    probe = (f"try:\n  import socket\n  socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-             f"  print('connected')\nexcept (ImportError, OSError):\n  print('ok')")
-    assert run(probe).passed
-    no_hook = run(probe, limits=dataclasses.replace(FAST, audit_hook=False))
-    if "net=unshared" not in no_hook.sandbox:
-      pytest.skip(f"kernel refused a network namespace ({no_hook.sandbox}); the audit hook is the only net guard")
-    assert no_hook.passed, no_hook  # the network namespace alone blocks it
-  finally:
-    server.close()
 
 
 # --------------------------------------------------------------------------------------------- verifier pool
