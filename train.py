@@ -428,6 +428,8 @@ def run_rl():
   state["version"] = publish(servers, state["version"], params["policy"], meta)
   metrics = Metrics(os.path.join(FLAGS.run_dir, "metrics.jsonl"),
                     FLAGS.tensorboard and os.path.join(FLAGS.run_dir, "tensorboard"))
+  if ckpt.damaged and lead:
+    metrics.write(dict(step=state["step"], ckpt_damaged=ckpt.damaged))  # steps set aside by the restore
   lr_at = lr_schedule_fn(FLAGS.lr, FLAGS.warmup_steps, FLAGS.steps)  # the optimizer's schedule, for the log
   # Held-out eval during training: prompts longer than the workers' KV cache (sized for the longest training
   # prompt) are skipped, logged.
@@ -904,6 +906,21 @@ def _commit(clients, version, nonce, flat, meta):
 
 # --- Checkpoint and HF export ----------------------------------------------------------------------------------------
 
+def _checksum(x):
+  bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize])
+  w = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) * jnp.uint32(2) + jnp.uint32(1)
+  return jnp.sum(bits.astype(jnp.uint32) * w * jnp.uint32(2654435761), dtype=jnp.uint32)
+
+
+_checksums = jax.jit(lambda tree: [_checksum(x) for x in jax.tree.leaves(tree)])
+
+
+def checksums(tree):
+  """Per array: sum of its bits times odd position weights, mod 2**32 (one fused pass on the devices, each shard
+  where it lives; any single changed element changes it): a few bytes per leaf to store, cheap to recompute."""
+  return [int(v) for v in jax.device_get(_checksums(tree))]
+
+
 class Checkpointer:
   """Sharded, asynchronous, elastic checkpoints (orbax-checkpoint, as MaxText and Tunix use).
   Each process writes only its own shards of params and optimizer state (OCDBT/tensorstore); save() returns
@@ -918,17 +935,18 @@ class Checkpointer:
   def __init__(self, ckpt_dir, keep):
     import orbax.checkpoint as ocp
     self.ocp = ocp
-    path = ckpt_dir if "://" in ckpt_dir else os.path.abspath(ckpt_dir)  # gs://... goes to orbax as is
-    self.mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
+    self.path = ckpt_dir if "://" in ckpt_dir else os.path.abspath(ckpt_dir)  # gs://... goes to orbax as is
+    self.damaged = 0  # steps set aside by restore()
+    self.mngr = ocp.CheckpointManager(self.path, options=ocp.CheckpointManagerOptions(
         max_to_keep=keep, enable_async_checkpointing=True, create=True))
 
   def save(self, step, params, opt_state, state):
-    """Starts writing step (collective); returns False if that step is already saved."""
+    """Starts writing step (collective) with a checksum of every array; returns False if that step is saved."""
     if self.mngr.latest_step() == step:
       return False
     a = self.ocp.args
     self.mngr.save(step, args=a.Composite(params=a.StandardSave(params), opt=a.StandardSave(opt_state),
-                                          state=a.JsonSave(state)))
+                                          state=a.JsonSave(state), sums=a.JsonSave(checksums((params, opt_state)))))
     return True
 
   def wait(self):
@@ -936,15 +954,36 @@ class Checkpointer:
     self.mngr.wait_until_finished()
 
   def restore(self, params_like, opt_like):
-    """(params, opt_state, state) of the newest committed step placed like params_like/opt_like, or None."""
-    step = self.mngr.latest_step()
-    if step is None:
-      return None
-    a = self.ocp.args
+    """(params, opt_state, state) of the newest intact committed step placed like params_like/opt_like, or None.
+    A step that does not restore or whose arrays fail their checksums (a flipped bit, a truncated file) is set
+    aside as <step>.damaged-<unix time> (never deleted), logged and counted in self.damaged, and the step before it
+    is tried; if no step restores, nothing is set aside and the newest step's error is raised (a config
+    mismatch, not damage, fails every step alike)."""
+    a, first_err, bad = self.ocp.args, None, []
     abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)  # noqa: E731
-    r = self.mngr.restore(step, args=a.Composite(params=a.StandardRestore(abstract(params_like)),
-                                                 opt=a.StandardRestore(abstract(opt_like)), state=a.JsonRestore()))
-    return r["params"], r["opt"], r["state"]
+    for step in sorted(self.mngr.all_steps(), reverse=True):
+      try:
+        r = self.mngr.restore(step, args=a.Composite(params=a.StandardRestore(abstract(params_like)),
+                                                     opt=a.StandardRestore(abstract(opt_like)),
+                                                     state=a.JsonRestore(), sums=a.JsonRestore()))
+        if checksums((r["params"], r["opt"])) != r["sums"]:
+          raise ValueError("the arrays do not match their checksums")
+      except Exception as e:  # noqa: BLE001  (orbax and tensorstore raise many kinds on bad bytes)
+        first_err = first_err or e
+        bad.append((step, e))
+        continue
+      for b, e in bad:
+        logging.error("checkpoint step %d is damaged (%s: %s); set aside, resuming from step %d",
+                      b, type(e).__name__, str(e)[:300], step)
+        if jax.process_index() == 0 and "://" not in self.path:
+          os.rename(os.path.join(self.path, str(b)), os.path.join(self.path, f"{b}.damaged-{int(time.time())}"))
+      multihost_utils.sync_global_devices("checkpoint set aside")
+      self.damaged += len(bad)
+      self.mngr.reload()
+      return r["params"], r["opt"], r["state"]
+    if first_err is not None:
+      raise first_err
+    return None
 
   def close(self):
     self.mngr.close()

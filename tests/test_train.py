@@ -264,3 +264,46 @@ def test_hostmem_tune_stops_fresh_pages_in_every_step():
                                 capture_output=True, text=True, check=True).stdout) for m in ("default", "tuned")}
   assert tail["default"] > 10_000, tail  # the workload does fault under glibc's defaults (else it tests nothing)
   assert tail["tuned"] < tail["default"] / 20, tail
+
+
+def test_damaged_checkpoints_are_set_aside(tmp_path):
+  """Bytes flipped in the newest step (orbax restores it without error: only the checksums see it), then a
+  truncated file in the next: each is set aside, not deleted, and the step before restores. A config mismatch
+  fails every step alike: it raises and nothing is set aside."""
+  lcfg = losses.ALGORITHMS["grpo"]
+  params, opt_state, *_ = setup(lcfg)
+  d = str(tmp_path / "ckpt")
+  c = train.Checkpointer(d, keep=3)
+  for s in (1, 2, 3):
+    c.save(s, jax.tree.map(lambda x: x + s, params), opt_state, dict(step=s))
+  c.wait()
+  c.close()
+  sums = train.checksums(params)  # one changed element (one bit of it) changes its leaf's checksum, only that one
+  bumped = train.checksums(dict(params, policy=dict(params["policy"], embed=params["policy"]["embed"].at[3, 1].set(
+      jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(params["policy"]["embed"][3, 1], jnp.uint32) ^ 1,
+                                   jnp.float32)))))
+  assert sum(a != b for a, b in zip(sums, bumped)) == 1
+
+  def biggest_file(step):
+    files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, str(step), "params")) for f in fs]
+    return max(files, key=os.path.getsize)
+
+  f = biggest_file(3)
+  with open(f, "r+b") as fh:
+    fh.seek(os.path.getsize(f) // 2)
+    fh.write(bytes(64))  # 64 zero bytes in the middle of the array data
+  with open(biggest_file(2), "r+b") as fh:
+    fh.truncate(os.path.getsize(biggest_file(2)) // 2)
+  with pytest.raises(Exception):  # the wrong shapes: every step fails, none is damaged
+    train.Checkpointer(d, keep=3).restore(setup(dataclasses.replace(lcfg))[0] | dict(policy=dict(
+        params["policy"], embed=params["policy"]["embed"][:, :8])), opt_state)
+  assert sorted(os.listdir(d)) == ["1", "2", "3"]
+  c = train.Checkpointer(d, keep=3)
+  p1, _, st = c.restore(params, opt_state)
+  assert st == dict(step=1) and c.damaged == 2
+  np.testing.assert_array_equal(np.asarray(p1["policy"]["embed"]), np.asarray(params["policy"]["embed"]) + 1)
+  left = sorted(os.listdir(d))
+  assert left[0] == "1" and [x.split(".")[0] for x in left[1:]] == ["2", "3"] and all("damaged" in x for x in left[1:])
+  assert c.save(2, params, opt_state, dict(step=2))  # training goes on from step 1: step 2 is written anew
+  c.wait()
+  c.close()
