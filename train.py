@@ -959,7 +959,7 @@ class Checkpointer:
     aside as <step>.damaged-<unix time> (never deleted), logged and counted in self.damaged, and the step before it
     is tried; if no step restores, nothing is set aside and the newest step's error is raised (a config
     mismatch, not damage, fails every step alike)."""
-    a, first_err, bad = self.ocp.args, None, []
+    a, bad = self.ocp.args, []
     abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)  # noqa: E731
     for step in sorted(self.mngr.all_steps(), reverse=True):
       try:
@@ -969,7 +969,6 @@ class Checkpointer:
         if checksums((r["params"], r["opt"])) != r["sums"]:
           raise ValueError("the arrays do not match their checksums")
       except Exception as e:  # noqa: BLE001  (orbax and tensorstore raise many kinds on bad bytes)
-        first_err = first_err or e
         bad.append((step, e))
         continue
       for b, e in bad:
@@ -981,8 +980,8 @@ class Checkpointer:
       self.damaged += len(bad)
       self.mngr.reload()
       return r["params"], r["opt"], r["state"]
-    if first_err is not None:
-      raise first_err
+    if bad:
+      raise bad[0][1]
     return None
 
   def close(self):
