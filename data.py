@@ -80,7 +80,10 @@ def render_prompt(problem: Problem, template: str = "plain", chat_template: Opti
   if template == "hf":
     if chat_template is None:
       raise ValueError("render_prompt: template 'hf' needs chat_template=load_chat_template(checkpoint_dir)")
-    return chat_template(msgs)
+    try:
+      return chat_template(msgs)
+    except Exception as e:  # raise_exception() (it names the template's file) or a template bug: name the problem
+      raise ValueError(f"render_prompt: problem {problem.id!r} ({problem.source or '?'}): {type(e).__name__}: {e}") from e
   raise ValueError(f"render_prompt: unknown template {template!r} (expected 'plain', 'chatml' or 'hf')")
 
 
@@ -95,22 +98,22 @@ def prompt_encoder(tok, template: str, tokenizer_path) -> Callable:
   return lambda p: tok.encode(render_prompt(p, template, chat), add_bos=template == "plain")
 
 
-def _chat_template_source(path) -> Optional[str]:
-  """The Jinja source from tokenizer_config.json's "chat_template" (or chat_template.jinja, as newer transformers
-  write) of a checkpoint dir (or a file in it); None when it ships none."""
+def _chat_template_source(path):
+  """(Jinja source or None when it ships none, its file, tokenizer_config.json) of a checkpoint dir (or a file in it):
+  tokenizer_config.json's "chat_template", else chat_template.jinja (as newer transformers write)."""
   folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-  src = _read_json(folder, "tokenizer_config.json").get("chat_template")
+  cfg, where = _read_json(folder, "tokenizer_config.json"), os.path.join(folder, "tokenizer_config.json")
+  src = cfg.get("chat_template")
   if isinstance(src, list):  # [{"name": "default", "template": ...}, ...]
     src = next((t["template"] for t in src if t.get("name") == "default"), None)
-  jinja = os.path.join(folder, "chat_template.jinja")
-  if src is None and os.path.exists(jinja):
-    with open(jinja, encoding="utf-8") as f:
+  if src is None and os.path.exists(where := os.path.join(folder, "chat_template.jinja")):
+    with open(where, encoding="utf-8") as f:
       src = f.read()
-  return src or None
+  return src or None, where, cfg
 
 
 def has_chat_template(path) -> bool:
-  return _chat_template_source(path) is not None
+  return _chat_template_source(path)[0] is not None
 
 
 def load_chat_template(path) -> Callable:
@@ -119,20 +122,23 @@ def load_chat_template(path) -> Callable:
   add_generation_prompt=True."""
   from jinja2.exceptions import TemplateError
   from jinja2.sandbox import ImmutableSandboxedEnvironment
-  folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-  src, cfg = _chat_template_source(path), _read_json(folder, "tokenizer_config.json")
+  src, where, cfg = _chat_template_source(path)
   if src is None:
-    raise ValueError(f"load_chat_template: no 'chat_template' in {folder}/tokenizer_config.json nor "
+    raise ValueError(f"load_chat_template: no 'chat_template' in {os.path.dirname(where)}/tokenizer_config.json nor "
                      f"chat_template.jinja; use --template=chatml/plain")
 
-  def raise_exception(message):
-    raise TemplateError(message)
+  def raise_exception(message):  # render_prompt adds the problem
+    raise TemplateError(f"{where}: {message}")
 
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
   env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, separators=None, sort_keys=False: json.dumps(
       x, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
   env.globals.update(raise_exception=raise_exception, strftime_now=time.strftime)
-  template, bos, eos = env.from_string(src), _special_token(cfg, "bos_token"), _special_token(cfg, "eos_token")
+  try:
+    template = env.from_string(src)
+  except TemplateError as e:  # jinja names a line of the template, not its file
+    raise ValueError(f"load_chat_template: {where}: {type(e).__name__}: {e}") from None
+  bos, eos = _special_token(cfg, "bos_token"), _special_token(cfg, "eos_token")
   return lambda messages: template.render(messages=messages, add_generation_prompt=True, bos_token=bos or "",
                                           eos_token=eos or "")
 
@@ -143,7 +149,10 @@ def _read_json(folder, name) -> dict:
   if not os.path.exists(p):
     return {}
   with open(p, encoding="utf-8") as f:
-    return json.load(f)
+    try:
+      return json.load(f)
+    except ValueError as e:  # JSONDecodeError names a line and column, not the file
+      raise ValueError(f"{p}: not valid JSON: {e}") from None
 
 
 def _special_token(cfg, field):
@@ -595,7 +604,8 @@ class VerifierPool:
     self.max_workers, self.timeout_s, self.limits, self.strict_math = max_workers, timeout_s, limits, strict_math
     self.startup_timeout_s = 120.0
     self._ctx = multiprocessing.get_context("spawn")  # fork after JAX/threads is unsafe
-    self._tmp = tempfile.mkdtemp(prefix="rlax-verifier-") if max_workers else None
+    self._dir = tempfile.TemporaryDirectory(prefix="rlax-verifier-", ignore_cleanup_errors=True)
+    self._tmp = self._dir.name  # removed by close(), else at GC or exit (rollout.py's worker never calls close())
     self._workers = []  # [process, connection, temp dir]
     self._spawned = self.timeouts = self.crashes = self.errors = 0
     self.last_error = None
@@ -677,8 +687,7 @@ class VerifierPool:
     for w in self._workers:
       self._kill(w)
     self._workers = []
-    if self._tmp:
-      shutil.rmtree(self._tmp, ignore_errors=True)
+    self._dir.cleanup()
 
   def __enter__(self):
     return self

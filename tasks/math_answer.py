@@ -5,6 +5,10 @@ import threading
 from typing import Optional
 
 GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
+# Claims, not values (math-verify compares only their last side): relations, arrows, connectives ("41 \lor 42")
+CLAIM = re.compile(r"[=<>≤≥≠≈→⇒∨∧]+|\\(?:[lg]eq?|[lg]t|neq?|approx|equiv|sim|to|implies|iff|[a-zA-Z]*arrow|lor|land"
+                   r"|vee|wedge|neg)(?![a-zA-Z])")
+ASSIGNED = re.compile(r"^\s*\\?[a-zA-Z]+(?:_\{?\w+\}?)?\s*=")  # the "x =" of "x = 42", "\theta_1 = 42", "AB = 42"
 
 
 def _braced(text, start):
@@ -47,18 +51,20 @@ def extract_answer(text: str, strict: bool = False) -> Optional[str]:
 def math_verify_equal(pred: Optional[str], ref: str, timeout_s: int = 5) -> bool:
   """math-verify (pinned in requirements.txt) parses both sides to sympy (LaTeX or plain) and compares them
   (fractions vs decimals, \\sqrt, \\pi, intervals, sets, units, \\text{(B)}). A GSM8K "#### N" reference counts as
-  N. Its timeouts use SIGALRM, so they apply in the main thread (the VerifierPool's processes); elsewhere they are
-  off (math_verify's own rule). Any parser error scores False."""
+  N. The prediction must parse whole and state no more relations, arrows or connectives (CLAIM) than the reference,
+  past a leading "x =": for 42, "x = 42" scores 1, "2 = 42", "41 \\lor 42", "41 \\to 42", "x \\le 42" 0; for "x = 3",
+  "3" and "x=3" 1. Timeouts: SIGALRM, so only in the main thread (the VerifierPool's processes). Errors score False."""
   import math_verify  # slow to import: only where math is verified
-  if pred is None or not pred.strip():
-    return False
   m = GSM8K_FINAL.search(ref)
   ref = m.group(1).replace(",", "") if m else ref
+  claims = lambda x: len(CLAIM.findall(ASSIGNED.sub("", x, count=1)))  # noqa: E731
+  if not (pred or "").strip() or claims(pred) > claims(ref):
+    return False
   t = timeout_s if threading.current_thread() is threading.main_thread() else None
-  wrap = lambda x: x if "\\boxed" in x or "$" in x else f"${x}$"  # noqa: E731
   try:
-    gold = math_verify.parse(wrap(ref), parsing_timeout=t)
-    got = math_verify.parse(wrap(pred), parsing_timeout=t)
+    gold = math_verify.parse(ref if "\\boxed" in ref or "$" in ref else f"${ref}$", parsing_timeout=t)
+    got = math_verify.parse("$" + re.sub(r"(?<!\\)\$", "", pred) + "$", parsing_timeout=t,  # one formula, and no
+                            extraction_config=[math_verify.LatexExtractionConfig()])  # last number of what fails
     return bool(gold and got and math_verify.verify(gold, got, timeout_seconds=t))
   except Exception:  # noqa: BLE001 - a verifier never crashes its caller on one answer
     return False

@@ -3,6 +3,7 @@ pool, pass rates, batching (the code sandbox: tests/test_sandbox.py). Run: pytho
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 
@@ -90,6 +91,31 @@ def test_hf_tokenizer_json(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, "tokenizers", None)  # the optional dependency missing
   with pytest.raises(ImportError, match="pip install tokenizers"):
     data.load_tokenizer(tmp_path / "ckpt")
+
+
+def test_broken_tokenizer_config_and_chat_template_name_the_file(tmp_path):
+  d = tmp_path / "ckpt"
+  _write_hf_checkpoint(d)
+  cfg = d / "tokenizer_config.json"
+  cfg.write_text('{"eos_token": "<|im_end|>",')  # truncated
+  for load in (data.load_tokenizer, data.load_chat_template, data.has_chat_template):
+    with pytest.raises(ValueError, match=f"{cfg}: not valid JSON"):
+      load(d)
+  cfg.write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": "{% if messages %}{{ x }"}))
+  with pytest.raises(ValueError, match=f"{cfg}: TemplateSyntaxError"):
+    data.load_chat_template(d)
+  cfg.write_text(json.dumps({"eos_token": "<|im_end|>"}))
+  jinja = d / "chat_template.jinja"
+  jinja.write_text("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system turns') }}"
+                   "{% endif %}{{ m.content }}{% endfor %}")
+  chat = data.load_chat_template(d)
+  assert data.render_prompt(Problem("ok", "hi", "1"), "hf", chat) == "hi"
+  p = Problem("sys", "hi", "1", messages=(("system", "S"), ("user", "hi")), source="set.jsonl:7")
+  with pytest.raises(ValueError, match=f"problem 'sys' \\(set.jsonl:7\\): TemplateError: {jinja}: no system turns"):
+    data.render_prompt(p, "hf", chat)
+  jinja.write_text("{{ messages | no_such_filter }}")
+  with pytest.raises(ValueError, match=f"{jinja}: TemplateAssertionError"):
+    data.load_chat_template(d)
 
 
 def test_reference_completion_and_list_tests():
@@ -262,6 +288,26 @@ def test_math_verifier():
   assert data.verify(Problem("m", "?", "1234", "math"), "Total: 1,234") == 0.0  # strict: only \boxed{} counts
 
 
+@pytest.mark.parametrize("pred, ref, want", [
+    # relations, implications, disjunctions/conjunctions state a claim, not an answer (math-verify compared their
+    # last side only): 0 unless the reference is such an expression
+    ("2 = 42", "42", 0), ("41 \\lor 42", "42", 0), ("41 \\to 42", "42", 0), ("41 \\vee 42", "42", 0),
+    ("41 \\land 42", "42", 0), ("41 \\wedge 42", "42", 0), ("41 \\implies 42", "42", 0),
+    ("41 \\Rightarrow 42", "42", 0), ("41 \\iff 42", "42", 0), ("41 \\approx 42", "41", 0), ("x \\le 42", "42", 0),
+    ("42 \\geq 1", "42", 0), ("41 \\neq 42", "42", 0), ("41 < 42", "42", 0), ("x = 2 = 42", "42", 0),
+    ("x = 41 \\lor x = 42", "42", 0), ("x = 41 \\lor x = 42", "x = 42", 0), ("x = 41 \\not= 42", "42", 0),
+    ("41 \\mid 42", "42", 0), ("41 \\\\ 42", "42", 0), ("41 | 42", "42", 0), ("41 \\cup 42", "42", 0),
+    ("41 \\sim 42", "42", 0), ("41 \\therefore 42", "42", 0), ("$41$ or $42$", "42", 0), ("41 or 42", "42", 0),
+    ("41 \\to 42", "#### 42", 0), ("2=42", "#### 42", 0),
+    # honest answers still score 1: a value, or one stated as "x = value" (math-verify's assignment form)
+    ("42", "42", 1), ("\\frac{1}{2}", "0.5", 1), ("0.5", "\\frac12", 1), ("x = 42", "42", 1), ("x_1 = 42", "42", 1),
+    ("\\theta = 42", "42", 1), ("y = 2x + 1", "2x+1", 1), ("\\$42", "42", 1), ("42", "#### 42", 1),
+    ("x=3", "x = 3", 1), ("3", "x = 3", 1), ("y = 3", "x = 3", 0), ("x > 3", "x > 3", 1), ("3 < x", "x > 3", 1),
+    ("x \\le 3", "x \\leq 3", 1), ("x \\in [0, 1]", "[0,1]", 1), ("41, 42", "42, 41", 1), ("41 or 42", "41, 42", 1)])
+def test_math_verifier_rejects_claims(pred, ref, want):
+  assert data.verify(Problem("m", "?", ref, "math"), f"So \\boxed{{{pred}}}") == want
+
+
 # --------------------------------------------------------------------------------------------- verifier pool
 
 def _procs_with_cwd_under(folder):
@@ -298,6 +344,22 @@ def test_verifier_pool_scores_and_survives_timeouts():
   assert pool.score([bad], ["1"]) == [0.0] and pool.errors == 1 and "poetry" in pool.last_error
   pool.close()
   assert data.VerifierPool(max_workers=0).score(probs, [p.answer for p in probs]) == [1.0, 1.0, 1.0]
+
+
+def test_verifier_pool_temp_dir_removed_without_close(tmp_path):
+  # A worker that exits without close() (rollout.py's) leaves no temp dir behind, scored or not.
+  code = ("import sys, data\n"
+          "pool = data.VerifierPool(max_workers=1)\n"
+          "print(pool._tmp, flush=True)\n"
+          "pool.score(data.make_task_problems('arithmetic', 1), ['0'])  # its worker's own dir made\n"
+          "print(data.VerifierPool(max_workers=1)._tmp)  # garbage: collected at once\n")
+  env = dict(os.environ, TMPDIR=str(tmp_path), JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr
+  dirs = out.stdout.split()
+  assert len(dirs) == 2 and all(d.startswith(str(tmp_path)) for d in dirs), out.stdout
+  assert not os.listdir(tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------- pass rates
