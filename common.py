@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import signal
 
 from absl import flags
 
@@ -118,3 +119,16 @@ def tune_malloc():
     return False
   mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
   return all(mallopt(p, v) == 1 for p, v in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
+
+
+class StopFlag:
+  """SIGTERM / SIGINT set `requested`, which a trainer or worker loop polls between steps (a TPU preemption
+  notice arrives as SIGTERM): the loop finishes its step, checkpoints or drains, and exits cleanly."""
+
+  def __init__(self):
+    self.requested = False
+    signal.signal(signal.SIGTERM, self._set)
+    signal.signal(signal.SIGINT, self._set)
+
+  def _set(self, *_):
+    self.requested = True

@@ -644,12 +644,13 @@ pod_role_cmd() {  # ROLE SCRIPT ARGS...
 
 # The main server (queues + manifest) on trainer host 0, a shard server (port +1) on every other trainer host: each
 # trainer process stages its host's weight shards there (--shard_servers=self:PORT), so no host sends more than that.
+# Each binds the host's address on the slice's internal network (route:IP: the one that reaches host 0), never 0.0.0.0.
 pod_start_trainer_side() {
   local ip="$1" i
-  pod_ssh "$POD_TPU" 0 "$(pod_role_cmd server param_server.py --host=0.0.0.0 --port="$POD_PORT" \
+  pod_ssh "$POD_TPU" 0 "$(pod_role_cmd server param_server.py --host="$ip" --port="$POD_PORT" \
     --token_file=.secrets/token --run_dir="$POD_RUN/server")"
   for ((i = 1; i < POD_HOSTS; i++)); do
-    pod_bg pod_ssh "$POD_TPU" "$i" "$(pod_role_cmd "shard$i" param_server.py --host=0.0.0.0 --port=$((POD_PORT + 1)) \
+    pod_bg pod_ssh "$POD_TPU" "$i" "$(pod_role_cmd "shard$i" param_server.py --host="route:$ip" --port=$((POD_PORT + 1)) \
       --token_file=.secrets/token)"
   done
   wait

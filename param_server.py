@@ -7,12 +7,13 @@ Plain TCP, stdlib + numpy (ml_dtypes on the client, for bf16). Every request and
 A tensor is {"name", "dtype", "shape", "nbytes", "crc"}; crc = zlib.crc32 (~2 GiB/s here, 4x blake2b), computed by
 the receiver in a second thread while the bytes arrive. A reply is OK, or ERROR {"error", "code"}.
 
-Messages (T: needs the shared token, which a client sends once per connection with AUTH):
-  STAGE T   a piece of a tensor (a trainer shard: its global slice [[start, stop], ...], version, publish nonce),
+Messages. Every one needs the shared token (reads too: the weights are the model), which a client sends once per
+connection with AUTH; until then each request is refused and one announcing a payload closes the connection.
+  STAGE     a piece of a tensor (a trainer shard: its global slice [[start, stop], ...], version, publish nonce),
             invisible to readers; at most max_versions committed + 2 staged versions are held
-  STAGED    the pieces staged for (version, nonce); with keep=[committed versions] (T) drops older unkept ones
-  COMMIT T  a manifest (JSON payload: each tensor's dtype, shape, pieces with crc and server), written last by the
-            coordinator once every server holds every piece; the newest max_versions are kept
+  STAGED    the pieces staged for (version, nonce); with keep=[committed versions] drops older unkept ones
+  COMMIT    a manifest (check_manifest: each tensor's dtype, shape, pieces with index, crc and server index into
+            "servers"), written last by the coordinator once every server holds every piece; max_versions kept
   MANIFEST  the newest manifest newer than newer_than (waits up to wait_s); LATEST: its version (-1: none)
   FETCH     sub-slices of staged pieces, cut by the server (only the needed bytes travel), crc-checked; a piece
             whose crc is not the requested one (replaced or collected) is refused
@@ -20,14 +21,16 @@ Messages (T: needs the shared token, which a client sends once per connection wi
             full bytes) and the crc of the RESULT, which the reader checks. Only against the previous version
             staged here; built once per (piece, sub-slice, base) for the whole fleet and cached beside its
             version (gone with it, never more than its own bytes)
-  PUT T, GET T, ACK T, REQUEUE T, FAIL T: the leased queues (see Client); STATS; AUTH T
-  REGISTER T  a trainer's start: returns a new trainer epoch (persisted with run_dir). Every request that carries an
+  PUT, GET, ACK, REQUEUE, FAIL: the leased queues (see Client); STATS; AUTH
+  REGISTER  a trainer's start: returns a new trainer epoch (persisted with run_dir). Every request that carries an
             older "epoch" than the newest registered is refused ("fenced"): one trainer per run, even one started
             by hand beside a supervised one cannot ack, issue, lease or commit, so no step is trained twice
 
 Guarantees:
   - Bounded memory: every length is capped before it is read (headers by untrusted_header_kb until the connection
-    authenticated); staged versions as above; each queue by max_queue_items and max_queue_mb (ready + leased).
+    authenticated); staged versions as above; each queue by max_queue_items and max_queue_mb (ready + leased). A
+    FETCH / DELTA reply is capped at the version's bytes here, and sent from views of the stored pieces, a sub-slice
+    copied a CHUNK at a time; a peer address has at most max_peer_requests in service (more: "busy", retried).
   - Deadlines on every read: idle_timeout_s for a request's first byte, header_timeout_s for prefix + header, then
     payload / min_rate_mb_s, so a trickling client times out. A connection gets a thread only once its first byte
     arrived. When max_clients are connected a newcomer evicts an anonymous connection, else an idle authenticated
@@ -35,19 +38,23 @@ Guarantees:
   - A malformed frame (magic, version, type, lengths, JSON with NaN / huge ints / deep nesting, truncation,
     timeout) gets an ERROR and a closed connection; a refused request (token, arguments, stale version, disk)
     gets an ERROR and the connection stays usable. The token is checked before any payload byte is read.
-  - Queues: put is idempotent by id; get leases for lease_s (an expired lease re-issues the item first); ack is
-    forever; FAIL re-issues an item until max_failures, then quarantines it with a notice in "<queue>.failed".
-    With run_dir each queue is an append-only crc'd log, fsync'ed before a change is applied or answered (a failed
-    write answers StorageError and changes nothing), compacted at startup and past 2x its live size. Leases and
-    weights are not persisted: after a restart every unacked item is ready again and the trainer re-publishes.
+  - Queues: put is idempotent by id; get leases for lease_s (an expired lease re-issues the item first) to the
+    Client's holder (secret, one per process): ack, FAIL, release and requeue of an item leased since to another
+    holder are refused (ack: "stale"); ack is forever; FAIL re-issues an item until max_failures, then quarantines
+    it with a notice in "<queue>.failed". With run_dir each queue is an append-only log of framed records (length
+    and crc per record and per prefix: a damaged one is skipped and counted, the ones after it kept, and the log
+    copied aside before it is rewritten), fsync'ed before a change is applied or answered (a failed write answers
+    StorageError and changes nothing), compacted at startup and past 2x its live size. Leases and weights are not
+    persisted: after a restart every unacked item is ready again and the trainer re-publishes.
 
-Run: python param_server.py --port=5555 --token_file=runs/token --run_dir=runs/ps   (SIGTERM stops it cleanly)
+Run: python param_server.py --port=5555 --token_file=runs/token --run_dir=runs/ps   (SIGTERM: gone within a second)
 Bench: python -m bench.server --size_mb=1024;  python -m bench.faults
 """
 import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import hmac
 import itertools
 import json
@@ -60,6 +67,7 @@ import random
 import re
 import secrets
 import select
+import shutil
 import selectors
 import signal
 import socket
@@ -71,6 +79,7 @@ import zlib
 import numpy as np
 
 import common
+from common import StopFlag  # noqa: F401  (the entry points take it from here)
 
 MAGIC, PROTOCOL_VERSION = b"RLPS", 1
 PREFIX = struct.Struct("<4sHHIQ")  # magic, protocol version, message type, header len, payload len
@@ -81,7 +90,6 @@ OK, ERROR = 64, 65
 REQUEST_TYPES = {LATEST: "latest", PUT: "put", GET: "get", ACK: "ack", REQUEUE: "requeue", STATS: "stats",
                  STAGE: "stage", STAGED: "staged", COMMIT: "commit", MANIFEST: "manifest", FETCH: "fetch",
                  DELTA: "delta", AUTH: "auth", FAIL: "fail", REGISTER: "register"}
-NEEDS_TOKEN = {PUT, GET, ACK, REQUEUE, STAGE, COMMIT, AUTH, FAIL, REGISTER}
 MAX_JSON_DEPTH = 32   # headers are flat records; deep nesting only costs the parser (and recursion) memory
 MAX_NDIM = 32
 CHUNK = 8 << 20  # socket I/O granularity: big enough to amortize syscalls, small enough for rate deadlines
@@ -166,14 +174,27 @@ def _recv_into(sock, mv, deadline, what, on_progress=lambda got: None):
     on_progress(got)
 
 
+def _chunks(parts):
+  """The payload parts as contiguous byte chunks: bytes-likes as they are; a strided np view (a sub-slice cut by
+  the server) copied at most CHUNK bytes (or one innermost row) at a time, so no request holds a copy of what it
+  asked for, however much that is."""
+  for p in parts:
+    if not isinstance(p, np.ndarray) or p.flags.c_contiguous:
+      yield memoryview(p).cast("B")
+    elif p[0].nbytes > CHUNK:
+      yield from _chunks(p)  # row by row
+    else:
+      step = max(1, CHUNK // p[0].nbytes)
+      yield from (memoryview(np.ascontiguousarray(p[i:i + step])).cast("B") for i in range(0, len(p), step))
+
+
 def _send_frame(sock, mtype, header, parts=(), *, deadline):
-  """Sends one frame; the payload parts (bytes-like) go out without copying, in CHUNK slices."""
-  mvs = [memoryview(p).cast("B") for p in parts]
-  total = sum(len(m) for m in mvs)
+  """Sends one frame; the payload parts (bytes-like or np views) go out without copying, in CHUNK slices."""
+  total = sum(memoryview(p).nbytes for p in parts)
   hb = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()  # the peer refuses NaN anyway
   head = PREFIX.pack(MAGIC, PROTOCOL_VERSION, mtype, len(hb), total) + hb
-  mvs = [memoryview(head + b"".join(mvs))] if total <= 65536 else [memoryview(head)] + mvs  # small: one syscall
-  for m in mvs:
+  mvs = [head + b"".join(_chunks(parts))] if total <= 65536 else itertools.chain([head], _chunks(parts))
+  for m in map(memoryview, mvs):  # small: one syscall
     for i in range(0, len(m), CHUNK):
       left = deadline - time.monotonic()
       if left <= 0:
@@ -410,7 +431,30 @@ def delta_apply(enc, payload, base, itemsize):
 # ----------------------------------------------------------------------------------------------- reassembly
 
 
-def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None):
+def check_manifest(m):
+  """Raises ValueError naming what is wrong unless m is a manifest readers can use: an int version, servers (a list
+  of "host:port"), tensors {name: {dtype, shape, pieces: [{index within shape, int crc, server index}]}}."""
+  servers = m.get("servers") if isinstance(m, dict) else None
+  if not (isinstance(servers, list) and all(isinstance(a, str) and ":" in a for a in servers)
+          and _int(m.get("version")) and isinstance(m.get("tensors"), dict)):
+    raise ValueError(f"manifest: want an int 'version', 'servers' (a list of host:port) and 'tensors' (an object), "
+                     f"got {json.dumps(m)[:200]}")
+  for name, t in m["tensors"].items():
+    shape = t.get("shape") if isinstance(t, dict) else None
+    if not (isinstance(shape, list) and all(_int(d) and d >= 0 for d in shape) and isinstance(t.get("pieces"), list)
+            and str(t.get("dtype")) in DTYPES):
+      raise ValueError(f"manifest v{m['version']}: tensor {name!r} needs a dtype of {sorted(DTYPES)}, a shape of "
+                       f"ints >= 0 and a pieces list, got {t!r:.200}")
+    for p in t["pieces"]:
+      if not (isinstance(p, dict) and _int(p.get("crc")) and _int(p.get("server")) and 0 <= p["server"] < len(servers)
+              and isinstance(p.get("index"), list) and len(p["index"]) == len(shape) and all(
+                  isinstance(r, list) and len(r) == 2 and _int(r[0]) and _int(r[1]) and 0 <= r[0] <= r[1] <= d
+                  for r, d in zip(p["index"], shape))):
+        raise ValueError(f"manifest v{m['version']}: a piece of {name!r} needs an index within {shape}, an int crc "
+                         f"and a server index below {len(servers)}, got {p!r:.200}")
+
+
+def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None, token=None):
   """Reassembles the version `manifest` describes on the host: yields (name, {slice: np.ndarray}) for each tensor of
   wanted = {name: [global slice ((start, stop), ...)]}, one tensor at a time (so one tensor's host buffers are
   alive at once), fetching from the servers that hold its pieces in parallel. clients: {"host:port": Client},
@@ -422,11 +466,13 @@ def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None):
   server has no base for (the reader skipped a version, or the server restarted), is fetched in full.
   stats (a dict) gets bytes (what crossed the wire), full_bytes (what a full pull moves), changed_bytes over
   covered_bytes (the pieces that came as deltas), pieces by encoding, and fallbacks (crc mismatches refetched).
+  A malformed manifest raises ValueError (check_manifest), like any failed pull. token: for new clients.
   """
+  check_manifest(manifest)
   version = manifest["version"]
   if base is not None and base["version"] >= version:
     raise ValueError(f"pull: base v{base['version']} is not older than manifest v{version}")
-  conns = [clients[a] if a in clients else clients.setdefault(a, connect(a)) for a in manifest["servers"]]
+  conns = [clients[a] if a in clients else clients.setdefault(a, connect(a, token)) for a in manifest["servers"]]
   st = {} if stats is None else stats
   st.update(bytes=0, full_bytes=0, changed_bytes=0, covered_bytes=0, pieces={}, fallbacks=0)
   with concurrent.futures.ThreadPoolExecutor(len(conns)) as pool:
@@ -514,6 +560,7 @@ class ServerConfig:
   untrusted_header_kb: float = 64.0  # cap before that (bounds what unauthenticated clients make us hold)
   max_tensors: int = 100_000         # cap on the pieces of one FETCH / DELTA
   max_clients: int = 1024            # concurrent connections; when full, the least useful one is evicted
+  max_peer_requests: int = 64        # requests of one peer address in service at once; more are answered "busy"
   idle_timeout_s: float = 300.0      # a connection with no request for this long is closed
   header_timeout_s: float = 10.0     # prefix + header must arrive within this after the first byte
   min_rate_mb_s: float = 1.0         # payloads get header_timeout_s + size / this rate to arrive or drain
@@ -547,18 +594,23 @@ def _seconds(h, key, default, hi, clamp=True):
 
 
 def _cut(version, piece, sub):
-  """(bytes, crc, shape) of the sub-slice `sub` ([[start, stop], ...] within the piece, None = all) of a staged
-  piece (spec, index, buf). Slices leading dims of a (shape..., itemsize) byte view: dtypes are never interpreted."""
+  """(view, shape) of the sub-slice `sub` ([[start, stop], ...] within the piece, None = all) of a staged piece
+  (spec, index, buf): a strided (shape..., itemsize) byte view, never a copy (dtypes are never interpreted)."""
   spec, index, buf = piece
-  if sub is None or sub == [[0, b - a] for a, b in index]:  # the whole piece: its stored crc holds
-    return memoryview(buf), spec["crc"], spec["shape"]
+  raw = np.frombuffer(buf, np.uint8)
+  if sub is None or sub == [[0, b - a] for a, b in index]:
+    return raw, spec["shape"]
   if not (isinstance(sub, list) and len(sub) == len(index) and all(
       isinstance(r, list) and len(r) == 2 and _int(r[0]) and _int(r[1]) and 0 <= r[0] <= r[1] <= b - a
       for r, (a, b) in zip(sub, index))):
     raise ValueError(f"fetch v{version} {spec['name']!r}: sub {sub!r} outside piece {index}")
-  raw = np.frombuffer(buf, np.uint8).reshape(*spec["shape"], DTYPES[spec["dtype"]])
-  part = np.ascontiguousarray(raw[tuple(slice(a, b) for a, b in sub)]).reshape(-1)
-  return part, zlib.crc32(part), [b - a for a, b in sub]
+  return raw.reshape(*spec["shape"], DTYPES[spec["dtype"]])[tuple(slice(a, b) for a, b in sub)], [b - a for a, b in sub]
+
+
+def _crc(piece, view):
+  """crc32 of a view _cut returned: the stored one for the whole piece, else computed a chunk at a time."""
+  return piece[0]["crc"] if view.nbytes == len(piece[2]) else functools.reduce(
+      lambda crc, m: zlib.crc32(m, crc), _chunks([view]), 0)
 
 
 def _staged_piece(st, w, what):
@@ -597,10 +649,6 @@ class _Weights:
     self.keep = set()    # versions the coordinator said are committed (collected last)
     self.manifests = []  # [(version, manifest JSON bytes)], oldest first
     self.delta_builds = 0
-
-  def latest(self):
-    with self.cond:
-      return self.manifests[-1][0] if self.manifests else -1
 
   def stage(self, h, payload):
     version, nonce, name, index = h.get("version"), h.get("nonce"), h.get("name"), h.get("index")
@@ -647,13 +695,11 @@ class _Weights:
   def commit(self, h, payload):
     buf = payload.recv(what="commit manifest")
     try:
-      m = json.loads(buf)
-      version = m["version"]
-      ok = isinstance(version, int) and isinstance(m["tensors"], dict)
-    except (ValueError, KeyError, TypeError):
-      ok = False
-    if not ok:
-      raise ValueError("payload must be a JSON manifest with int 'version' and 'tensors'")
+      m = parse_header(buf)  # as strict as a header: no NaN, no deep nesting
+    except ProtocolError as e:
+      raise ValueError(f"payload must be a JSON manifest: {e}") from None
+    check_manifest(m)  # every reader would choke on a malformed one
+    version = m["version"]
     with self.cond:
       if self.manifests and version <= self.manifests[-1][0]:
         raise _Refused("stale_version", f"commit v{version} refused: latest manifest is v{self.manifests[-1][0]}")
@@ -672,48 +718,54 @@ class _Weights:
       version, buf = self.manifests[-1]
     return {"version": version}, [buf]
 
-  def fetch(self, h, payload):
+  def _wanted(self, h, what):
+    """(staged version, [(request, piece, key, view, shape)]) for the pieces a FETCH / DELTA names: held here with
+    that crc, the view its sub-slice (uncopied). Its output budget: no more bytes in all than the version holds here
+    (a reader never needs more; 150 overlapping sub-slices of one piece would be served 150 times)."""
     version, want = h.get("version"), h.get("pieces")
     if not isinstance(want, list) or len(want) > self.cfg.max_tensors:
-      raise ValueError("fetch: pieces must be a list")
-    with self.cond:
-      found = [_staged_piece(self.staged.get(version), w, f"fetch v{version}")[0] for w in want]
-    specs, parts = [], []
-    for w, piece in zip(want, found):
-      part, crc, shape = _cut(version, piece, w.get("sub"))
-      specs.append(dict(name=piece[0]["name"], dtype=piece[0]["dtype"], shape=shape, nbytes=len(part), crc=crc))
-      parts.append(part)
-    return {"version": version, "tensors": specs, "digest": _digest(version, specs)}, parts
-
-  def delta(self, h, payload):
-    version, base, want = h.get("version"), h.get("base"), h.get("pieces")
-    if not isinstance(want, list) or len(want) > self.cfg.max_tensors:
-      raise ValueError("delta: pieces must be a list")
-    if not (_int(version) and _int(base)) or base >= version:
-      raise ValueError(f"delta: base must be an int older than version, got base={base!r} version={version!r}")
+      raise ValueError(f"{what}: pieces must be a list of at most {self.cfg.max_tensors}")
     with self.cond:
       st = self.staged.get(version)
+      found = [(w, *_staged_piece(st, w, f"{what} v{version}")) for w in want]
+    out = [(w, piece, key, *_cut(version, piece, w.get("sub"))) for w, piece, key in found]
+    if (n := sum(x[3].nbytes for x in out)) > (st["nbytes"] if st else 0):
+      raise ValueError(f"{what} v{version}: {n} bytes asked, over the output budget of {st['nbytes']} (the version)")
+    return st, out
+
+  def fetch(self, h, payload):
+    version, (_, got) = h.get("version"), self._wanted(h, "fetch")
+    specs = [dict(name=p[0]["name"], dtype=p[0]["dtype"], shape=shape, nbytes=v.nbytes, crc=_crc(p, v))
+             for _, p, _, v, shape in got]
+    return {"version": version, "tensors": specs, "digest": _digest(version, specs)}, [x[3] for x in got]
+
+  def delta(self, h, payload):
+    version, base = h.get("version"), h.get("base")
+    if not (_int(version) and _int(base)) or base >= version:
+      raise ValueError(f"delta: base must be an int older than version, got base={base!r} version={version!r}")
+    st, got = self._wanted(h, "delta")
+    with self.cond:
       # Deltas only against the immediately previous version held here: one base per version bounds the cache.
       older = [v for v in self.staged if v < version]
       bst = self.staged.get(base) if older and max(older) == base else None
       found = []
-      for w in want:
-        got, key = _staged_piece(st, w, f"delta v{version}")
+      for w, piece, key, part, _ in got:
         old = bst and bst["pieces"].get(key)
-        if not old or old[0]["crc"] != w.get("base_crc") or old[0]["dtype"] != got[0]["dtype"]:
-          found.append((w, got, None, None, None))  # the reader's base is not one we hold: full bytes
+        if not old or old[0]["crc"] != w.get("base_crc") or old[0]["dtype"] != piece[0]["dtype"]:
+          found.append((w, piece, None, None, None, part))  # the reader's base is not one we hold: full bytes
           continue
         # Keyed by the base's crc too: a cached delta is valid for exactly the base bytes it was built from.
         ck = key + (json.dumps(w.get("sub")), base, old[0]["crc"])
-        found.append((w, got, old, st["deltas"].setdefault(ck, _Once()), ck))
+        found.append((w, piece, old, st["deltas"].setdefault(ck, _Once()), ck, part))
     pieces, parts = [], []
-    for w, got, old, once, ck in found:
-      part, crc, _ = _cut(version, got, w.get("sub"))
+    for w, got, old, once, ck, part in found:
+      crc = _crc(got, part)
       if old is None:
         enc, data, changed = "full", part, -1
       else:
-        def build(got=got, old=old, w=w, part=part, ck=ck):
-          enc, data, changed = delta_encode(part, _cut(base, old, w.get("sub"))[0], DTYPES[got[0]["dtype"]])
+        def build(got=got, old=old, w=w, part=part, ck=ck):  # the one place a sub-slice is copied whole
+          new, prev = (np.ascontiguousarray(v).reshape(-1) for v in (part, _cut(base, old, w.get("sub"))[0]))
+          enc, data, changed = delta_encode(new, prev, DTYPES[got[0]["dtype"]])
           data = None if enc == "full" else data  # "full" is served from the piece itself: no cache memory
           with self.cond:
             self.delta_builds += 1
@@ -725,7 +777,7 @@ class _Weights:
           return enc, data, changed
         enc, data, changed = once.get(build)
         data = part if enc == "full" else data
-      pieces.append(dict(enc=enc, nbytes=len(data), crc=crc, changed=changed))
+      pieces.append(dict(enc=enc, nbytes=memoryview(data).nbytes, crc=crc, changed=changed))
       parts.append(data)
     return {"version": version, "base": base, "pieces": pieces}, parts
 
@@ -768,59 +820,84 @@ class _Queue:
   A change is fsync'ed to the log *before* it is applied in memory or answered (the reply never claims more than
   the disk holds). A failed append is cut off again (ftruncate to the last good size); if even that fails the log
   is marked broken and the next change first rewrites it from memory (compaction), so nothing is ever appended
-  after a torn record (the loader stops at the first bad record)."""
+  after a torn record (the loader takes a record running past the end of the file for a crash mid-append)."""
 
-  # Log records: struct "<BIQI" (op, header len, payload len, crc32 of header+payload), JSON header, payload.
+  # Log records: struct "<4sBIQI" (magic b"RLQ1", op, header len, payload len, crc32 of header+payload), the crc32
+  # of those 21 bytes ("<I"), JSON header, payload. The prefix's own crc makes its lengths trustworthy: a record
+  # whose body is damaged is skipped alone, and after a damaged prefix the loader resumes at the next valid one.
   # op 1 PUT {"id", "meta"} + blob; op 2 ACK {"ids"}; op 3 FAIL {"ids", "reason", "quarantined": [ids]};
   # op 4 UPDATE {"id", "meta"} + blob (release: new contents for a live item).
-  _REC = struct.Struct("<BIQI")
+  _REC, _LOG_MAGIC = struct.Struct("<4sBIQI"), b"RLQ1"
 
   def __init__(self, name, cfg):
     self.name, self.cfg = name, cfg
     self.ready = collections.OrderedDict()   # id -> (meta, blob)
-    self.leased = {}                          # id -> (meta, blob, expiry)
+    self.leased = {}                          # id -> (meta, blob, expiry, holder)
     self.acked = collections.OrderedDict()   # id -> None, bounded
     self.failures = {}                        # id -> failures reported (FAIL) for a live item
     self.quarantined = collections.OrderedDict()  # id -> {"reason", "failures"}, bounded like acked
     self.nbytes, self.cond = 0, threading.Condition()
     self.path = os.path.join(cfg.run_dir, f"queue-{name}.log") if cfg.run_dir else None
-    self.log, self.log_bytes, self.broken = None, 0, False
+    self.log, self.log_bytes, self.broken, self.damaged = None, 0, False, 0
     if self.path:
       self._load()
 
   def record(self, op, header, blob=b""):
     hb = json.dumps(header, separators=(",", ":")).encode()
-    return self._REC.pack(op, len(hb), len(blob), zlib.crc32(blob, zlib.crc32(hb))) + hb + bytes(blob)
+    pre = self._REC.pack(self._LOG_MAGIC, op, len(hb), len(blob), zlib.crc32(blob, zlib.crc32(hb)))
+    return pre + struct.pack("<I", zlib.crc32(pre)) + hb + bytes(blob)
+
+  def _replay(self, op, hdr, blob):
+    """Applies one record of the log being loaded (KeyError, TypeError, ValueError: a malformed one)."""
+    if op == 1 and not self.known(hdr["id"]):
+      self.ready[hdr["id"]] = (hdr["meta"], blob)
+      self.nbytes += len(blob)
+    elif op == 4 and hdr["id"] in self.ready:
+      self.replace(hdr["id"], hdr["meta"], blob)
+    elif op == 2:
+      self.ack_ids(hdr["ids"])
+    elif op == 3 and "failures" in hdr:  # a quarantine entry as compaction writes it
+      self._remember(self.quarantined, hdr["quarantined"][0], {k: hdr[k] for k in ("reason", "failures")})
+    elif op == 3:
+      self.apply_fail(hdr["ids"], hdr["reason"], hdr["quarantined"], release=False)
+    elif op not in (1, 4):
+      raise ValueError(f"unknown op {op}")
 
   def _load(self):
-    good = 0
+    """Replays the log, skipping and counting (self.damaged) each damaged record; a damaged log is copied aside
+    (.damaged-<ns>) before compaction rewrites it, so no unreadable byte is ever lost. A torn last record (a crash
+    mid-append: never acknowledged) is dropped without that."""
+    good, n = 0, self._REC.size + 4  # good: where the last record with a valid prefix ends
     if os.path.exists(self.path + ".tmp"):  # a compaction that died before its rename: the log is still whole
       os.remove(self.path + ".tmp")
     if os.path.exists(self.path):
       with open(self.path, "rb") as f:
         data = f.read()
       off = 0
-      while off + self._REC.size <= len(data):
-        op, hl, pl, crc = self._REC.unpack_from(data, off)
-        end = off + self._REC.size + hl + pl
-        body = data[off + self._REC.size:end]
-        if end > len(data) or zlib.crc32(body) != crc or op not in (1, 2, 3, 4):
-          break
-        hdr = json.loads(body[:hl])
-        if op == 1 and not self.known(hdr["id"]):
-          self.ready[hdr["id"]] = (hdr["meta"], body[hl:])
-          self.nbytes += pl
-        elif op == 4 and hdr["id"] in self.ready:
-          self.replace(hdr["id"], hdr["meta"], body[hl:])
-        elif op == 2:
-          self.ack_ids(hdr["ids"])
-        elif op == 3 and "failures" in hdr:  # a quarantine entry as compaction writes it
-          self._remember(self.quarantined, hdr["quarantined"][0], {k: hdr[k] for k in ("reason", "failures")})
-        elif op == 3:
-          self.apply_fail(hdr["ids"], hdr["reason"], hdr["quarantined"], release=False)
-        off = good = end
-      if good < len(data):
-        log.warning("%s: ignoring %d bytes of torn/corrupt tail after offset %d", self.path, len(data) - good, good)
+      while off + n <= len(data):
+        (magic, op, hl, pl, crc), pcrc = self._REC.unpack_from(data, off), data[off + n - 4:off + n]
+        if magic != self._LOG_MAGIC or zlib.crc32(data[off:off + n - 4]).to_bytes(4, "little") != pcrc:
+          self.damaged += off == good  # one per damaged stretch, however many false starts it holds
+          off = data.find(self._LOG_MAGIC, off + 1) % (len(data) + 1)  # not found (-1): the end
+          continue
+        if off + n + hl + pl > len(data):
+          break  # torn
+        good, body = off + n + hl + pl, data[off + n:off + n + hl + pl]
+        try:
+          if zlib.crc32(body) != crc:
+            raise ValueError("crc mismatch")
+          self._replay(op, json.loads(body[:hl]), body[hl:])
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+          self.damaged += 1
+          log.error("%s: record at offset %d skipped: %s", self.path, off, e)
+        off = good
+      if self.damaged:
+        kept = f"{self.path}.damaged-{time.time_ns()}"
+        shutil.copyfile(self.path, kept)  # before anything rewrites it (an OSError here: the server does not start)
+        log.error("%s: %d damaged records skipped, the records after them kept; the damaged log is kept as %s",
+                  self.path, self.damaged, kept)
+      elif good < len(data):
+        log.warning("%s: ignoring a torn last record (%d bytes after offset %d)", self.path, len(data) - good, good)
     try:
       self._compact()
     except OSError as e:  # e.g. disk full at startup: keep the old log, cut to its last good record
@@ -839,8 +916,9 @@ class _Queue:
       # Leased items are live too (leases are not persisted): after a restart they are ready again.
       for i, v in itertools.chain(self.leased.items(), self.ready.items()):
         DISK.write(fd, self.record(1, {"id": i, "meta": v[0]}, v[1]))
-      if self.acked:
-        DISK.write(fd, self.record(2, {"ids": list(self.acked)}))
+      acked = list(self.acked)
+      for k in range(0, len(acked), 10000):  # bounded records: one damaged one forgets few acks
+        DISK.write(fd, self.record(2, {"ids": acked[k:k + 10000]}))
       for i, n in self.failures.items():
         DISK.write(fd, self.record(3, {"ids": [i] * n, "reason": "", "quarantined": []}))
       for i, r in self.quarantined.items():
@@ -935,13 +1013,13 @@ class _Queue:
 
   def reclaim(self):
     now = time.monotonic()
-    self.release([i for i, (_, _, exp) in self.leased.items() if exp <= now])
+    self.release([i for i, (_, _, exp, _) in self.leased.items() if exp <= now])
 
   def release(self, ids, head=True):
     """Leased ids go back to the head of the ready queue (re-issued first), or to its tail (head=False)."""
     for i in ids:
       if i in self.leased:
-        meta, blob, _ = self.leased.pop(i)
+        meta, blob, *_ = self.leased.pop(i)
         self.ready[i] = (meta, blob)
         if head:
           self.ready.move_to_end(i, last=False)
@@ -955,6 +1033,11 @@ class _Queue:
     self.nbytes += len(blob) - len(old[1])
     self.ready[i] = (meta, blob)
     self.ready.move_to_end(i, last=False)
+
+  def stale(self, i, holder):
+    """Whether i is leased to a holder other than `holder` (Client.holder; compared, never shown): the caller's
+    lease expired and the item was leased again, so only the new holder may ack, fail, release or requeue it."""
+    return i in self.leased and self.leased[i][3] != holder
 
   def known(self, i):
     return i in self.ready or i in self.leased or i in self.acked or i in self.quarantined
@@ -1021,8 +1104,9 @@ class _Queues:
     buf = payload.recv(what="put payload")
     items = [(i, meta, bytes(buf[off:off + n])) for i, meta, off, n in items]
     with q.cond:
-      if release:  # live items include ones ready again after their lease expired
-        new = {i: (meta, blob) for i, meta, blob in items if i in q.leased or i in q.ready}
+      if release:  # live items include ones ready again after their lease expired, not ones leased again
+        new = {i: (meta, blob) for i, meta, blob in items
+               if (i in q.leased or i in q.ready) and not q.stale(i, h.get("holder"))}
         # Logged (UPDATE) before it replaces the old contents: a restart re-issues the progress.
         q.write([q.record(4, {"id": i, "meta": meta}, blob) for i, (meta, blob) in new.items()], "release")
         for i, item in reversed(new.items()):
@@ -1064,7 +1148,7 @@ class _Queues:
       raise ValueError(f"max_items must be a positive int, got {max_items!r}")
     if lease_s <= 0:
       raise ValueError(f"lease_s must be > 0, got {lease_s}")
-    end = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s)
+    end, holder = time.monotonic() + _seconds(h, "wait_s", 0.0, self.cfg.max_wait_s), h.get("holder")
     out, nbytes = [], 0
 
     def any_ready():  # called with q.cond held
@@ -1079,7 +1163,7 @@ class _Queues:
         if out and nbytes + len(blob) > self.max_put:
           break
         del q.ready[i]
-        q.leased[i] = (meta, blob, expiry)
+        q.leased[i] = (meta, blob, expiry, holder)
         out.append((i, meta, blob))
         nbytes += len(blob)
 
@@ -1089,16 +1173,17 @@ class _Queues:
     return {"items": [dict(meta, id=i) for i, meta, _ in out]}, [b for _, _, b in out], undo
 
   def ack(self, h, payload):
-    q, ids = self.queue(h.get("queue")), _ids(h)
+    q, ids, holder = self.queue(h.get("queue")), _ids(h), h.get("holder")
     with q.cond:
       unknown = [i for i in ids if not (i in q.ready or i in q.leased or i in q.acked)]
-      missing = set(unknown)  # once: a set per id made a long ack quadratic
+      stale = [i for i in ids if q.stale(i, holder)]
+      missing = set(unknown + stale)  # once: a set per id made a long ack quadratic
       done = [i for i in ids if i not in missing]
       q.write([q.record(2, {"ids": done})] if done else [], "ack")
       q.ack_ids(done)
       q.cond.notify_all()  # room for blocked puts
       q.maybe_compact()
-    return {"acked": len(done), "unknown": unknown}, ()
+    return {"acked": len(done), "unknown": unknown, "stale": stale}, ()
 
   def fail(self, h, payload):
     """FAIL (see Client.fail); a quarantine notice is {"id", "queue", "reason", "failures"}."""
@@ -1107,7 +1192,7 @@ class _Queues:
       raise ValueError(f"reason must be a str, got {type(reason).__name__}")
     reason = reason[:2000]
     with q.cond:
-      mine = list(dict.fromkeys(i for i in ids if i in q.leased))
+      mine = list(dict.fromkeys(i for i in ids if i in q.leased and not q.stale(i, h.get("holder"))))
       quarantine = [i for i in mine if q.failures.get(i, 0) + 1 >= self.cfg.max_failures]
       if quarantine and _QUEUE_NAME.match(q.name + ".failed"):
         # Notices first: a crash between the two writes leaves the item live *and* noticed, which the
@@ -1129,7 +1214,8 @@ class _Queues:
   def requeue(self, h, payload):
     q, ids = self.queue(h.get("queue")), _ids(h, optional=True)  # None: every lease (a restarted consumer)
     with q.cond:
-      return {"released": q.release(list(q.leased) if ids is None else [i for i in ids if i in q.leased])}, ()
+      mine = list(q.leased) if ids is None else [i for i in ids if i in q.leased and not q.stale(i, h.get("holder"))]
+      return {"released": q.release(mine)}, ()
 
   def stats(self):
     out = {}
@@ -1137,7 +1223,8 @@ class _Queues:
       with q.cond:
         q.reclaim()
         out[name] = {"ready": len(q.ready), "leased": len(q.leased), "acked": len(q.acked),
-                     "bytes": q.nbytes, "failing": len(q.failures), "quarantined": len(q.quarantined)}
+                     "bytes": q.nbytes, "failing": len(q.failures), "quarantined": len(q.quarantined),
+                     "damaged_records": q.damaged}
     return out
 
 
@@ -1193,7 +1280,8 @@ class Server:
     # so COMMIT's payload is capped like a staged piece, not like a header.
     self._handlers = {
         STAGE: (w.stage, big), STAGED: (w.staged_table, 0), COMMIT: (w.commit, big), MANIFEST: (w.manifest, 0),
-        FETCH: (w.fetch, 0), DELTA: (w.delta, 0), LATEST: (lambda h, p: ({"version": w.latest()}, ()), 0),
+        FETCH: (w.fetch, 0), DELTA: (w.delta, 0),
+        LATEST: (lambda h, p: ({"version": w.stats()["latest_version"]}, ()), 0),
         PUT: (q.put, q.max_put), GET: (q.get, 0), ACK: (q.ack, 0), REQUEUE: (q.requeue, 0), FAIL: (q.fail, 0),
         AUTH: (lambda h, p: ({"authenticated": True}, ()), 0), STATS: (lambda h, p: (self.stats(), ()), 0),
         REGISTER: (self._register, 0)}
@@ -1201,6 +1289,7 @@ class Server:
     self._epoch_path = os.path.join(cfg.run_dir, "trainer_epoch") if cfg.run_dir else None
     self.epoch = int(open(self._epoch_path).read()) if self._epoch_path and os.path.exists(self._epoch_path) else 0
     self._conns, self._conn_lock = {}, threading.Lock()  # socket -> _Conn
+    self._peers = collections.Counter()  # peer address -> its requests in service
     self._threads, self._started = [], time.monotonic()
     # A deep accept queue: when it is full the kernel drops a newcomer's SYN, which costs that client 1 s.
     self._sock = socket.create_server((cfg.host, cfg.port), backlog=max(128, min(cfg.max_clients, 4096)))
@@ -1224,8 +1313,9 @@ class Server:
     for cond in [self.weights.cond] + [q.cond for q in self.queues.all.values()]:
       with cond:
         cond.notify_all()
+    end = time.monotonic() + 0.5  # handlers see the kicked sockets or `stopped` at once; none may hold us longer
     for t in self._threads:
-      t.join(timeout=5.0)
+      t.join(timeout=max(end - time.monotonic(), 0.0))
     for q in self.queues.all.values():
       with q.cond:
         if q.log is not None:
@@ -1383,33 +1473,40 @@ class Server:
     tok = header.get("token")
     if isinstance(tok, str) and self.cfg.token and hmac.compare_digest(tok.encode(), self.cfg.token.encode()):
       c.trusted = True
-    # STAGED with "keep" collects staged versions: a write, so it needs the token like STAGE and COMMIT.
-    writes = mtype in NEEDS_TOKEN or (mtype == STAGED and header.get("keep") is not None)
-    if (writes or plen) and not c.trusted:
+    if not c.trusted:  # every op, reads too: the weights are the model
       why = "the server has no token configured" if self.cfg.token is None else "missing or wrong token"
       if plen:  # draining would let anyone hold a slot for as long as the payload it announces takes
         raise _AuthClose(f"{name} refused: {why} (payload not read; connection closed)")
       raise _Refused("auth", f"{name} refused: {why}")
-    payload = _Payload(c.sock, plen, self._deadline(plen))
+    payload, peer, admitted = _Payload(c.sock, plen, self._deadline(plen)), c.sock.getpeername()[0], False
     try:
-      if "epoch" in header:
-        self._fence(name, header["epoch"])
-      reply = handler(header, payload)
-    except (_Refused, ValueError, KeyError, TypeError) as e:
-      if isinstance(e, ProtocolError):
+      try:
+        with self._conn_lock:  # the peer's quota: requests in service at once, from handler to reply sent
+          if self._peers[peer] >= self.cfg.max_peer_requests:
+            raise _Refused("busy", f"{name} refused: {peer} has {self.cfg.max_peer_requests} requests in service")
+          self._peers[peer] = admitted = self._peers[peer] + 1
+        if "epoch" in header:
+          self._fence(name, header["epoch"])
+        reply = handler(header, payload)
+      except (_Refused, ValueError, KeyError, TypeError) as e:
+        if isinstance(e, ProtocolError):
+          raise
+        if not payload.read:  # keep the stream in sync: the request stays refused, not stored
+          scratch = memoryview(bytearray(min(plen, CHUNK)))
+          for off in range(0, plen, CHUNK):
+            _recv_into(c.sock, scratch[:min(CHUNK, plen - off)], payload.deadline, "discarded payload")
+        raise e if isinstance(e, _Refused) else _Refused("bad_request", f"{name}: {e}") from None
+      parts = reply[1]
+      try:
+        _send_frame(c.sock, OK, reply[0], parts, deadline=self._deadline(sum(memoryview(p).nbytes for p in parts)))
+      except OSError:
+        if len(reply) > 2:
+          reply[2]()
         raise
-      if not payload.read:  # keep the stream in sync: the request stays refused, not stored
-        scratch = memoryview(bytearray(min(plen, CHUNK)))
-        for off in range(0, plen, CHUNK):
-          _recv_into(c.sock, scratch[:min(CHUNK, plen - off)], payload.deadline, "discarded payload")
-      raise e if isinstance(e, _Refused) else _Refused("bad_request", f"{name}: {e}") from None
-    parts = reply[1]
-    try:
-      _send_frame(c.sock, OK, reply[0], parts, deadline=self._deadline(sum(memoryview(p).nbytes for p in parts)))
-    except OSError:
-      if len(reply) > 2:
-        reply[2]()
-      raise
+    finally:
+      if admitted:
+        with self._conn_lock:
+          self._peers[peer] -= 1
 
   def _register(self, h, payload):
     with self._epoch_lock:
@@ -1462,7 +1559,8 @@ def serve(cfg: ServerConfig, port_file=None):
   srv.start()
   log.info("param_server listening on %s:%d", cfg.host, srv.port)
   print(f"param_server listening on {cfg.host}:{srv.port}", flush=True)
-  done.wait()
+  while not done.wait(0.1):  # with no timeout, a signal delivered to another thread never woke this one
+    pass
   srv.stop()
   return srv
 
@@ -1481,6 +1579,7 @@ def read_token(path):
   return tok
 
 
+_HOLDER = secrets.token_hex(16)  # this process's lease identity (a secret: no reply ever shows it)
 _ERRORS = {"auth": PermissionError, "bad_request": ValueError, "stale_version": ValueError,
            "protocol": ProtocolError, "checksum": ChecksumError, "timeout": TimeoutError, "storage": StorageError,
            "fenced": FencedError}
@@ -1494,8 +1593,9 @@ class Client:
   with a str "id" plus JSON-able fields and np.ndarray / list-of-np.ndarray fields."""
 
   def __init__(self, host="127.0.0.1", port=5555, token=None, timeout_s=30.0, retries=8, backoff_s=0.05,
-               max_backoff_s=2.0):
+               max_backoff_s=2.0, holder=None):
     self.host, self.port, self.token = host, port, token
+    self.holder = holder or _HOLDER  # who leases: only it may ack, fail, release or requeue what it leased
     self.epoch = None  # set by register_trainer: then sent with every request, so a newer trainer fences this one
     self.timeout_s, self.retries, self.backoff_s, self.max_backoff_s = timeout_s, retries, backoff_s, max_backoff_s
     self._sock, self._lock = None, threading.Lock()
@@ -1511,10 +1611,10 @@ class Client:
 
   def _request(self, mtype, header, parts=(), wait_s=0.0, tensors=False):
     """One request/reply -> (reply header, payload buffer)."""
-    if mtype in NEEDS_TOKEN:
-      if not self.token:
-        raise PermissionError(f"{REQUEST_TYPES[mtype]} needs the shared token (Client(token=...))")
-      header = dict(header, token=self.token)
+    if not self.token:  # the connection authenticates (AUTH) before its first request
+      raise PermissionError(f"{REQUEST_TYPES[mtype]} needs the shared token (Client(token=...))")
+    if mtype in (GET, ACK, REQUEUE, FAIL, PUT):
+      header = dict(header, holder=self.holder)
     if self.epoch is not None:
       header = dict(header, epoch=self.epoch)
     last = None
@@ -1529,8 +1629,8 @@ class Client:
           if self._sock is None:
             self._sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.token:  # authenticate the connection first: it then gets a reserved slot, big headers
-              h, buf, error = self._exchange(AUTH, {"token": self.token}, (), 0.0, False)
+            # Authenticate the connection first: every request needs it, and it gets a reserved slot, big headers.
+            h, buf, error = self._exchange(AUTH, {"token": self.token}, (), 0.0, False)
           if not error:
             h, buf, error = self._exchange(mtype, header, parts, wait_s, tensors)
         except OSError as e:  # ConnectionError, TimeoutError, ...: the server may be restarting; retry
@@ -1660,7 +1760,7 @@ class Client:
           parts.extend(raw for _, raw in wired)
         else:
           try:
-            js[k] = json.loads(json.dumps(v, default=_json_default, allow_nan=False))
+            js[k] = json.loads(json.dumps(v, default=np.generic.item, allow_nan=False))  # np scalars; else TypeError
           except (TypeError, ValueError) as e:
             raise ValueError(f"{what} is neither JSON-able nor an np.ndarray: {e}") from None
       metas.append({"id": it["id"], "json": js, "arrays": arrays})
@@ -1683,8 +1783,9 @@ class Client:
     return out
 
   def ack(self, queue: str, ids):
-    """Removes items forever (they are never delivered again, even after a server restart)."""
-    return self._request(ACK, {"queue": queue, "ids": [str(i) for i in ids]})[0]  # {"acked": n, "unknown": [ids]}
+    """Removes items forever (they are never delivered again, even after a server restart). Returns {"acked": n,
+    "unknown": [ids], "stale": [ids leased again to another holder since this one's lease expired: not acked]}."""
+    return self._request(ACK, {"queue": queue, "ids": [str(i) for i in ids]})[0]
 
   def fail(self, queue: str, ids, reason: str) -> dict:
     """Reports leased items the caller could not process (reason: a short text, e.g. the exception). Each is
@@ -1699,29 +1800,10 @@ class Client:
     return self._request(REQUEUE, h)[0]["released"]
 
 
-def _json_default(x):
-  if isinstance(x, np.generic):
-    return x.item()
-  raise TypeError(f"{type(x).__name__} is not JSON serializable")
-
-
 def connect(addr, token=None, retries=8):
   """A Client for "host:port"."""
   host, port = addr.rsplit(":", 1)
   return Client(host, int(port), token=token, retries=retries)
-
-
-class StopFlag:
-  """SIGTERM / SIGINT set `requested`, which a trainer or worker loop polls between steps (a TPU preemption
-  notice arrives as SIGTERM): the loop finishes its step, checkpoints or drains, and exits cleanly."""
-
-  def __init__(self):
-    self.requested = False
-    signal.signal(signal.SIGTERM, self._set)
-    signal.signal(signal.SIGINT, self._set)
-
-  def _set(self, *_):
-    self.requested = True
 
 
 def flatten(tree, prefix=""):
@@ -1761,7 +1843,8 @@ def slice_index(idx, shape):
 def _main():
   from absl import app, flags  # flags are defined only when run as a script, never on import
 
-  flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (default 127.0.0.1; 0.0.0.0 exposes it).")
+  flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (default 127.0.0.1); route:ADDR binds the local "
+                      "address that reaches ADDR (a pod host: its address on the slice's internal network).")
   flags.DEFINE_integer("port", 5555, "TCP port (default 5555; 0 picks a free one, see --port_file).")
   flags.DEFINE_string("port_file", None, "If set, the bound port is written here (default: none).")
   flags.DEFINE_string("token_file", None, "File with the shared secret; created with a random token if "
@@ -1777,6 +1860,7 @@ def _main():
                      ("max_put_mb", "Cap on one put / get reply (MiB, default {})."),
                      ("max_header_kb", "Cap on a frame header (KiB, default {})."),
                      ("max_clients", "Concurrent connections (count, default {})."),
+                     ("max_peer_requests", "One peer address's requests in service at once (count, default {})."),
                      ("idle_timeout_s", "Idle connection timeout (s, default {})."),
                      ("header_timeout_s", "Time for a frame's prefix+header to arrive (s, default {})."),
                      ("min_rate_mb_s", "Slowest accepted payload rate (MB/s, default {})."),
@@ -1799,9 +1883,15 @@ def _main():
         common.write_atomic(FLAGS.token_file, secrets.token_hex(32) + "\n", mode=0o600)
       token = read_token(FLAGS.token_file)
     # Every flag named like a ServerConfig field sets that field; the rest keep their defaults.
+    if FLAGS.host.startswith("route:"):  # what the trainer advertises too (train.own_server_addresses)
+      with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((FLAGS.host[6:], 9))  # UDP: picks the route, sends nothing
+        FLAGS.host = s.getsockname()[0]
     cfg = ServerConfig(token=token, **{f.name: FLAGS[f.name].value for f in dataclasses.fields(ServerConfig)
                                        if f.name in FLAGS})
     serve(cfg, port_file=FLAGS.port_file)
+    logging.shutdown()
+    os._exit(0)  # the queue logs are closed: a handler thread still mid-reply must not hold the exit up
 
   app.run(main)
 

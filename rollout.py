@@ -401,7 +401,7 @@ def wait_for_weights(stop, client, tok):
   cfg, s = model.Config.from_hf_dict(m["config"]), m["sampling"]
   mesh = model.make_mesh(1, 1, FLAGS.tensor_parallel, devices=jax.local_devices())
   jax.set_mesh(mesh)
-  weights = Weights(wid, model.param_shardings(cfg, mesh))
+  weights = Weights(wid, model.param_shardings(cfg, mesh), client.token)
   while params is None and not stop.requested:
     if (params := weights.pull(m)) is None:
       m = client.manifest(newer_than=-1, wait_s=1.0) or m
@@ -674,14 +674,15 @@ class Sender:
 
 # --- The pull side of the weight path: the slices this worker's devices hold, as deltas where it can --------
 
-def pull_weights(manifest, shardings, clients, base=None, stats=None):
+def pull_weights(manifest, shardings, clients, base=None, stats=None, token=None):
   """The manifest's weights placed with `shardings` (a pytree of Shardings, same structure as the published
   tree): only the distinct slices this process's devices hold, reassembled on the host by
   param_server.pull_slices. clients: dict "host:port" -> Client, filled on demand. Returns (pytree of jax.Array,
   bytes pulled). base=(manifest, params) the reader holds now (what an earlier pull returned with the same
   shardings): each slice it holds comes as a delta against a host copy of it (see pull_slices, which also says
-  what `stats` gets).
+  what `stats` gets). token: for the clients it opens. A malformed manifest raises ValueError, like a failed pull.
   """
+  param_server.check_manifest(manifest)
   sh = param_server.flatten(shardings)
   if set(sh) != set(manifest["tensors"]):
     raise ValueError(f"manifest v{manifest['version']} tensors {sorted(manifest['tensors'])[:4]}... do not match "
@@ -693,7 +694,7 @@ def pull_weights(manifest, shardings, clients, base=None, stats=None):
       wanted.setdefault(name, {}).setdefault(tuple(map(tuple, param_server.slice_index(idx, t["shape"]))), []).append(d)
   st, out = {}, {}
   for name, bufs in param_server.pull_slices(
-      manifest, wanted, clients, base=base and base[0], stats=st,
+      manifest, wanted, clients, base=base and base[0], stats=st, token=token,
       held=lambda name, slices: _held_slices(base, name, manifest["tensors"][name], held, slices)):
     out[name] = jax.make_array_from_single_device_arrays(
         tuple(manifest["tensors"][name]["shape"]), sh[name],
@@ -765,15 +766,16 @@ class Weights:
   """The weight side of a worker: the version it holds, the base its next pull asks deltas against, the shard
   servers' connections, and the newest pull's figures (sent with every rollout). pull() runs on the Puller."""
 
-  def __init__(self, wid, shardings):
+  def __init__(self, wid, shardings, token=None):
     self.wid, self.shardings, self.clients, self.held, self.stats = wid, shardings, {}, None, {}
+    self.token = token  # every read needs it too
 
   def pull(self, m):
     """The manifest's weights, only the slices this worker's devices hold, or None if they were garbage-collected
     meanwhile (a newer version exists) or a shard server is down (the trainer re-publishes to its replacement)."""
     t, st = time.time(), {}
     try:
-      params = pull_weights(m, self.shardings, self.clients, base=self.held, stats=st)[0]
+      params = pull_weights(m, self.shardings, self.clients, base=self.held, stats=st, token=self.token)[0]
     except (ValueError, ConnectionError) as e:
       logging.warning("worker %s: pull of v%d failed (%s); retrying with the next manifest", self.wid, m["version"], e)
       return None

@@ -40,6 +40,9 @@ def make_weights(size):
           else (np.arange(per // 2, dtype=np.uint16) * 40503).view(ml_dtypes.bfloat16) for i in range(16)}
 
 
+TOKEN = [None]
+
+
 def raw_sender(listener, size):
   """A raw loopback server: for each connection, wait for one byte, then send `size` bytes."""
   data = np.frombuffer(os.urandom(1 << 20), np.uint8)
@@ -56,7 +59,7 @@ def raw_sender(listener, size):
 
 def receiver(kind, port, size, barrier, results):
   if kind == "fetch":
-    c = ps.Client(port=port, timeout_s=120.0)
+    c = ps.Client(port=port, token=TOKEN[0], timeout_s=120.0)
     m = c.manifest()  # and connect before the clock starts, as the raw receiver does
     want = [dict(name=n, index=t["pieces"][0]["index"], crc=t["pieces"][0]["crc"]) for n, t in m["tensors"].items()]
   else:
@@ -103,7 +106,8 @@ def main(argv):
   raw.start()
   try:
     w = make_weights(size)
-    c = ps.Client(port=port, token=ps.read_token(token_file), timeout_s=120.0)
+    TOKEN[0] = ps.read_token(token_file)  # every read needs it too; the forked receivers inherit it
+    c = ps.Client(port=port, token=TOKEN[0], timeout_s=120.0)
     t0 = time.perf_counter()
     for name, a in w.items():
       c.stage(0, 0, name, [[0, a.size]], a)

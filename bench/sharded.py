@@ -163,13 +163,13 @@ import json, sys, time
 sys.path.insert(0, "tests")
 import jax, numpy as np, model, param_server as ps, rollout
 from multiproc_helper import values
-c = ps.Client(*sys.argv[1].split(":")[:1], int(sys.argv[1].split(":")[1]))
+c = ps.Client(*sys.argv[1].split(":")[:1], int(sys.argv[1].split(":")[1]), token="t")
 m = c.manifest()
 cfg = model.Config.from_hf_dict(json.loads(sys.argv[2]))
 mesh = model.make_mesh(1, 1, 2)
 sh = model.param_shardings(cfg, mesh)
 t = time.perf_counter()
-got, pulled = rollout.pull_weights(m, sh, {})
+got, pulled = rollout.pull_weights(m, sh, {}, token="t")
 jax.block_until_ready(got)
 dt = time.perf_counter() - t
 ok = all(np.array_equal(np.asarray(s.data), values(x.shape, s.index, 0))
@@ -230,7 +230,7 @@ def delta_bench(a):
     meta = dict(config=cfg.to_hf_dict(), sampling={})
     held = {"full": None, "delta": None, "delta2": None}  # worker -> (manifest, params) it holds
     clients = {w: {} for w in held}
-    reader = param_server.connect(addrs[0])
+    reader = param_server.connect(addrs[0], token="t")
     rows = []
     print(f"model: {n_params / 1e6:.0f}M params, published as bf16 ({2 * n_params / 2**20:.0f} MiB); Adam lr "
           f"{a.lr:g} on random tokens (batch 2 x {a.seq}); 1 param_server.py process, loopback; 2-core CPU box")
@@ -252,7 +252,8 @@ def delta_bench(a):
       for w in held:
         st = {}
         t = time.perf_counter()
-        got, nbytes = rollout.pull_weights(m, sh, clients[w], base=None if w == "full" else held[w], stats=st)
+        got, nbytes = rollout.pull_weights(m, sh, clients[w], base=None if w == "full" else held[w], stats=st,
+                                              token="t")
         jax.block_until_ready(got)
         row[w] = dict(s=time.perf_counter() - t, **st)
         if not all(np.array_equal(np.asarray(x).view(np.uint8), want[k]) for k, x in param_server.flatten(got).items()):

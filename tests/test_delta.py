@@ -60,17 +60,17 @@ def server():
 def test_delta_pulls_stay_bit_identical_through_a_skipped_version_and_a_server_restart(server):
   port = server[0].port
   trainer = Trainer(ps.Client("127.0.0.1", port, token="t"))
-  reader, clients, sh = ps.Client("127.0.0.1", port), {}, _reader_shardings()
+  reader, clients, sh = ps.Client("127.0.0.1", port, token="t"), {}, _reader_shardings()
   trainer.step_and_publish()
   m = reader.manifest()
-  params, _ = rollout.pull_weights(m, sh, clients)  # first pull: full
+  params, _ = rollout.pull_weights(m, sh, clients, token="t")  # first pull: full
   held = (m, params)
 
   def delta_pull():
     nonlocal held
     m = reader.manifest(newer_than=held[0]["version"])
     st = {}
-    params, nbytes = rollout.pull_weights(m, sh, clients, base=held, stats=st)
+    params, nbytes = rollout.pull_weights(m, sh, clients, base=held, stats=st, token="t")
     assert _same(params, trainer.published) and st["fallbacks"] == 0
     held = (m, params)
     return st
@@ -82,7 +82,7 @@ def test_delta_pulls_stay_bit_identical_through_a_skipped_version_and_a_server_r
   assert 0 < st["changed_bytes"] < st["covered_bytes"]
   builds = reader.stats()["delta"]["builds"]
   other = {}  # a second worker pulling the same delta: served from the cache, nothing rebuilt
-  rollout.pull_weights(held[0], sh, other, base=(m, params))
+  rollout.pull_weights(held[0], sh, other, base=(m, params), token="t")
   assert reader.stats()["delta"]["builds"] == builds
   trainer.step_and_publish()
   trainer.step_and_publish()
@@ -102,16 +102,16 @@ def test_delta_pulls_stay_bit_identical_through_a_skipped_version_and_a_server_r
 
 def test_corrupted_base_is_caught_by_the_result_crc_and_pulled_in_full(server):
   trainer = Trainer(ps.Client("127.0.0.1", server[0].port, token="t"))
-  reader, sh = ps.Client("127.0.0.1", server[0].port), _reader_shardings()
+  reader, sh = ps.Client("127.0.0.1", server[0].port, token="t"), _reader_shardings()
   trainer.step_and_publish()
   m0 = reader.manifest()
-  params, _ = rollout.pull_weights(m0, sh, {})
+  params, _ = rollout.pull_weights(m0, sh, {}, token="t")
   w = np.asarray(params["w"]).copy()
   w.view(np.uint16)[5, 3] ^= 1  # one flipped bit in the worker's copy of v0 (a bad host, a lost delta, ...)
   bad = dict(params, w=jax.device_put(w, sh["w"]))
   trainer.step_and_publish()
   st = {}
-  got, _ = rollout.pull_weights(reader.manifest(), sh, {}, base=(m0, bad), stats=st)
+  got, _ = rollout.pull_weights(reader.manifest(), sh, {}, base=(m0, bad), stats=st, token="t")
   assert st["fallbacks"] == 1  # exactly the piece holding [5, 3], for the device slice holding it
   assert _same(got, trainer.published)
 

@@ -131,7 +131,7 @@ def test_round_trip_dtypes_bf16_and_versions(server):
   assert c.latest_version() == 3 and c.stats()["versions"] == [2, 3]  # max_versions=2
   assert c.staged()["versions"] == [2, 3]  # older staged versions were collected
   with pytest.raises(ValueError, match="latest manifest is v3"):
-    c.commit(dict(version=3, tensors={}))
+    c.commit(dict(version=3, servers=[], tensors={}))
   assert read(c)[1]["layers/0/w"][0] == 3
 
 
@@ -162,14 +162,18 @@ def test_stage_needs_token(server):
   # (draining would let anyone hold a slot for as long as the payload it announces takes).
   h, closed = raw_exchange(server, frame(ps.STAGE, stage_header(4, zlib.crc32(b"abcd")), b"", plen=4))
   assert closed and h["code"] == "auth" and "payload not read" in h["error"], h
-  # A read-only request without a token is served; one that needs the token is refused, the connection kept.
+  # Reads need the token too (issue 39: anonymous FETCH / MANIFEST / STATS served the weights to anyone): each op
+  # without it is refused and the connection kept; after AUTH on the same connection it is served.
   s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-  s.sendall(frame(ps.GET, {"queue": "q", "max_items": 1}) + frame(ps.LATEST, {}))
+  reads = [(ps.LATEST, {}), (ps.STATS, {}), (ps.MANIFEST, {}), (ps.STAGED, {}), (ps.FETCH, {"version": 0, "pieces": []}),
+           (ps.DELTA, {"version": 1, "base": 0, "pieces": []}), (ps.GET, {"queue": "q", "max_items": 1})]
+  s.sendall(b"".join(frame(t, h) for t, h in reads) + frame(ps.AUTH, {"token": TOKEN}) + frame(ps.LATEST, {}))
   f = s.makefile("rb")
-  for want_type, key in ((ps.ERROR, "error"), (ps.OK, "version")):
+  for want_type in [ps.ERROR] * len(reads) + [ps.OK, ps.OK]:
     _, _, mtype, hl, pl = ps.PREFIX.unpack(f.read(ps.PREFIX.size))
     h = json.loads(f.read(hl))
-    assert mtype == want_type and key in h, h
+    f.read(pl)
+    assert mtype == want_type and (mtype == ps.OK or h["code"] == "auth"), h
   s.close()
   assert client(server).latest_version() == -1
   nokey = make_server(token=None)
@@ -336,7 +340,8 @@ def test_slow_reader_times_out_and_is_freed():
     lazy = socket.socket()
     lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # before connect: no window autotuning
     lazy.connect(("127.0.0.1", srv.port))
-    lazy.sendall(frame(ps.FETCH, {"version": 0, "pieces": [dict(name="w", index=piece["index"], crc=piece["crc"])]}))
+    lazy.sendall(frame(ps.FETCH, {"version": 0, "token": TOKEN,
+                                  "pieces": [dict(name="w", index=piece["index"], crc=piece["crc"])]}))
     # ...and never reads the reply
     t0 = time.monotonic()
     # First see the server hold it (its accept thread registers the connection a moment later: counting too soon
@@ -393,7 +398,7 @@ def test_client_gives_up_with_connection_error():
   s.bind(("127.0.0.1", 0))
   port = s.getsockname()[1]
   s.close()  # nothing listens there
-  c = ps.Client(port=port, retries=3, backoff_s=0.01, timeout_s=1.0)
+  c = ps.Client(port=port, token=TOKEN, retries=3, backoff_s=0.01, timeout_s=1.0)
   t0 = time.monotonic()
   with pytest.raises(ConnectionError, match="unreachable after 4 attempts"):
     c.latest_version()
@@ -421,7 +426,7 @@ def test_put_get_ack_idempotent(server):
   assert np.array_equal(g["tokens"][0], np.arange(4)) and g["tokens"][0].dtype == np.int32
   assert g["logprobs"].shape == (2, 4) and np.all(g["logprobs"] == -0.5)
   assert c.put("rollouts", [rollout(0)])["duplicates"] == ["r0"]  # leased dup
-  assert c.ack("rollouts", ["r0", "nope"]) == {"acked": 1, "unknown": ["nope"]}
+  assert c.ack("rollouts", ["r0", "nope"]) == {"acked": 1, "unknown": ["nope"], "stale": []}
   assert c.put("rollouts", [rollout(0)])["duplicates"] == ["r0"]  # acked dup: never again
   st = c.stats()["queues"]["rollouts"]
   assert (st["ready"], st["leased"], st["acked"]) == (3, 1, 1)

@@ -60,13 +60,13 @@ def _expected(version):
 
 
 def _pull_and_check(addr, version, want):
-  c = ps.Client(*addr.split(":")[:1], int(addr.split(":")[1]))
+  c = ps.Client(*addr.split(":")[:1], int(addr.split(":")[1]), token="t")
   m = c.manifest()
   assert m["version"] == version
   cfg = model.Config.from_hf_dict(m["config"])
   total = sum(x.nbytes for x in jax.tree.leaves(want))
   for mesh in (model.make_mesh(1, 1, 2, devices=jax.devices()[:2]), model.make_mesh(1, 1, 1, devices=jax.devices()[3:4])):
-    got, pulled = rollout.pull_weights(m, model.param_shardings(cfg, mesh), {})
+    got, pulled = rollout.pull_weights(m, model.param_shardings(cfg, mesh), {}, token="t")
     assert pulled == total  # each distinct slice its devices hold, once (TP=2 devices hold disjoint halves)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
       assert b.sharding.mesh == mesh
@@ -95,12 +95,12 @@ def test_trainer_killed_mid_publish_leaves_previous_version_visible(servers):
   # barrier until the test gives up on it: no manifest for v1 is ever committed.
   out = _run("publish", 2, [(addrs, 1), (addrs, 1, 3)], devices=2)
   assert out[1][0] == -9 and out[0][0] != 0, out
-  assert ps.Client("127.0.0.1", servers[1].port).staged()["versions"] == [0, 1]  # v1 partially staged...
+  assert ps.Client("127.0.0.1", servers[1].port, token="t").staged()["versions"] == [0, 1]  # v1 partially staged...
   _pull_and_check(addrs.split(",")[0], 0, _expected(0))  # ...but readers still see exactly v0
   # The restarted trainer republishes v1; it becomes visible and the servers garbage-collect old versions.
   assert all(rc == 0 for rc, _ in _run("publish", 2, [(addrs, 1)] * 2, devices=2))
   _pull_and_check(addrs.split(",")[0], 1, _expected(1))
-  assert all(ps.Client("127.0.0.1", s.port).staged()["versions"] == [0, 1] for s in servers[:2])
+  assert all(ps.Client("127.0.0.1", s.port, token="t").staged()["versions"] == [0, 1] for s in servers[:2])
 
 
 def test_sharded_pull_of_a_collected_version_is_a_clear_error(servers):
@@ -112,7 +112,7 @@ def test_sharded_pull_of_a_collected_version_is_a_clear_error(servers):
   old = c.manifest()
   old["version"] = 0  # kept manifests are v2, v3: v0's pieces are gone
   with pytest.raises(ValueError, match="not held here"):
-    rollout.pull_weights(old, model.param_shardings(cfg, mesh), {})
+    rollout.pull_weights(old, model.param_shardings(cfg, mesh), {}, token="t")
   assert c.staged()["versions"] == [2, 3]
 
 
@@ -191,9 +191,9 @@ def test_sharded_messages_reject_bad_input_and_keep_serving(servers):
     c.stage(0, 1, "w", [[0, 2], [0, 4]], a)
   c.stage(0, 1, "w", [[0, 3], [4, 8]], a)
   piece = dict(name="w", index=[[0, 3], [4, 8]], crc=c.staged(0, 1)["pieces"][0]["crc"])
-  with pytest.raises(PermissionError):  # "keep" collects staged versions: an anonymous client may not
-    anon.staged(keep=[10**9])
-  assert anon.staged(0, 1)["pieces"] == c.staged(0, 1)["pieces"] and anon.staged()["versions"] == [0]
+  with pytest.raises(PermissionError):  # reads need the token too
+    anon.staged(0, 1)
+  assert c.staged()["versions"] == [0]
   (got,) = c.fetch(0, [dict(piece, sub=[[1, 3], [2, 4]])])
   np.testing.assert_array_equal(got, a[1:3, 2:4])
   with pytest.raises(ValueError, match="outside piece"):
