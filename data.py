@@ -604,8 +604,9 @@ class VerifierPool:
     self.max_workers, self.timeout_s, self.limits, self.strict_math = max_workers, timeout_s, limits, strict_math
     self.startup_timeout_s = 120.0
     self._ctx = multiprocessing.get_context("spawn")  # fork after JAX/threads is unsafe
-    self._dir = tempfile.TemporaryDirectory(prefix="rlax-verifier-", ignore_cleanup_errors=True)
-    self._tmp = self._dir.name  # removed by close(), else at GC or exit (rollout.py's worker never calls close())
+    # Removed by close(), else at GC or exit (rollout.py's worker never calls close()); inline pools need none.
+    self._dir = tempfile.TemporaryDirectory(prefix="rlax-verifier-", ignore_cleanup_errors=True) if max_workers else None
+    self._tmp = self._dir and self._dir.name
     self._workers = []  # [process, connection, temp dir]
     self._spawned = self.timeouts = self.crashes = self.errors = 0
     self.last_error = None
@@ -687,7 +688,8 @@ class VerifierPool:
     for w in self._workers:
       self._kill(w)
     self._workers = []
-    self._dir.cleanup()
+    if self._dir:
+      self._dir.cleanup()
 
   def __enter__(self):
     return self
