@@ -535,7 +535,7 @@ def make_task_problems(task: str, n: int, *, seed: int = 0, split: str = "train"
   for made in itertools.islice(draws, 50 * n + 1000):
     if len(out) == n:
       break
-    if made is None or made[0] in seen or _is_eval(made[0]) != (split == "eval"):
+    if made is None or made[0] in seen or _is_eval((t.split_key or str)(made[0])) != (split == "eval"):
       continue
     seen.add(made[0])
     out.append(Problem(f"{task}-{hashlib.sha256(made[0].encode()).hexdigest()[:12]}", made[0], made[1], task))

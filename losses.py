@@ -397,6 +397,10 @@ ALGORITHMS = {
     # REINFORCE++-baseline (Hu 2025, arXiv 2501.03262): group-mean baseline, then global batch normalisation,
     # PPO-clip loss, token mean; the paper's k2 KL-as-loss variant (coefficient 0 here: no reference by default).
     "reinforce_pp": LossConfig(advantage="reinforce_pp", group_baseline=True, kl_estimator="k2"),
+    # Rejection-sampling fine-tuning, STaR-style (Zelikman et al. 2022, arXiv 2203.14465), online as in RAFT (Dong
+    # et al. 2023, arXiv 2304.06767): A = r in {0, 1}, no baseline: -log pi of the correct samples, token mean.
+    # Run it without --dynamic_sampling (a group of all-correct samples is SFT data too).
+    "star": LossConfig(policy_loss="reinforce", advantage="reinforce"),
 }
 
 

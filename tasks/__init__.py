@@ -9,7 +9,8 @@ A task is a `Task`:
       stream the task seeds with `seed` (a string: the run's seed and the split) and its task_args, its own
       options (--task_args=difficulty=2,ops=+). None: the task's problems come from jsonl files only.
 data.make_task_problems keeps distinct draws of the requested split: a problem is held out iff sha256(prompt)
-falls in a fixed 20% bucket, so held-out problems never appear in training, whatever seeds or sizes are used.
+(or of the task's split_key(prompt): arithmetic's is the unordered operand pair) falls in a fixed 20% bucket, so
+held-out problems, and their commuted twins, never appear in training, whatever seeds or sizes are used.
 
 A new task: a module here and its TASKS entry (and, for the built-in tokenizer, a TOKENIZER_CORPUS entry).
 """
@@ -24,10 +25,11 @@ class Task:
   verify: Callable
   reference: Callable
   generate: Optional[Callable] = None
+  split_key: Optional[Callable] = None  # prompt -> what is hashed to hold it out (default: the prompt itself)
 
 
 TASKS = {
-    "arithmetic": Task(arithmetic.verify, arithmetic.reference, arithmetic.generate),
+    "arithmetic": Task(arithmetic.verify, arithmetic.reference, arithmetic.generate, arithmetic.split_key),
     "countdown": Task(countdown.verify, countdown.reference, countdown.generate),
     "math": Task(math_answer.verify, math_answer.reference),
     "code": Task(code_tests.verify, code_tests.reference),

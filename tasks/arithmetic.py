@@ -29,6 +29,19 @@ def _operand(rng, digits):
   return rng.randint(0 if nd == 1 else 10 ** (nd - 1), 10 ** nd - 1)
 
 
+def split_key(prompt):
+  """What data.make_task_problems hashes to hold a problem out: the operator and the operand pair, unordered, so
+  that a+b and b+a, and a-b and b-a (the same digits, the other sign), fall on the same side of the split."""
+  a, op, b = re.fullmatch(r"(\d+)([-+*/])(\d+)=", prompt).groups()
+  return f"{op}{min(int(a), int(b))},{max(int(a), int(b))}"
+
+
+def sign_slip(problem):
+  """The demo's flawed teacher (train.py --sft_slip): a negative difference written without its sign (5-21 -> 16).
+  The flaw depends on the input: a - b with a >= b is right either way, so RL must learn when to write the sign."""
+  return problem.answer.lstrip("-")
+
+
 def verify(problem, completion, *_) -> float:
   s = completion.strip()
   return float(re.fullmatch(r"-?\d+", s) is not None and str(int(s)) == s and int(s) == int(problem.answer))

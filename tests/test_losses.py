@@ -521,7 +521,7 @@ def test_clip_fraction_metrics_engage_at_bounds():
 
 
 def test_all_algorithms_present_and_selectable_by_name():
-  names = {"ppo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp"}
+  names = {"ppo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "star"}
   assert names <= set(losses.ALGORITHMS)
   assert {c.policy_loss for c in losses.ALGORITHMS.values()} == set(losses.POLICY_LOSSES)
   # train.py's selection: preset by name, then field overrides.
