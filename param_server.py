@@ -30,7 +30,8 @@ Guarantees:
   - Bounded memory: every length is capped before it is read (headers by untrusted_header_kb until the connection
     authenticated); staged versions as above; each queue by max_queue_items and max_queue_mb (ready + leased). A
     FETCH / DELTA reply is capped at the version's bytes here, and sent from views of the stored pieces, a sub-slice
-    copied a CHUNK at a time; a peer address has at most max_peer_requests in service (more: "busy", retried).
+    copied a CHUNK at a time; a peer address has at most max_peer_requests in service and starts at most
+    max_peer_rps per second (more: "busy", retried).
   - Deadlines on every read: idle_timeout_s for a request's first byte, header_timeout_s for prefix + header, then
     payload / min_rate_mb_s, so a trickling client times out. A connection gets a thread only once its first byte
     arrived. When max_clients are connected a newcomer evicts an anonymous connection, else an idle authenticated
@@ -561,6 +562,7 @@ class ServerConfig:
   max_tensors: int = 100_000         # cap on the pieces of one FETCH / DELTA
   max_clients: int = 1024            # concurrent connections; when full, the least useful one is evicted
   max_peer_requests: int = 64        # requests of one peer address in service at once; more are answered "busy"
+  max_peer_rps: float = 2000.0       # requests one peer address may start per second; more are answered "busy"
   idle_timeout_s: float = 300.0      # a connection with no request for this long is closed
   header_timeout_s: float = 10.0     # prefix + header must arrive within this after the first byte
   min_rate_mb_s: float = 1.0         # payloads get header_timeout_s + size / this rate to arrive or drain
@@ -1289,7 +1291,7 @@ class Server:
     self._epoch_path = os.path.join(cfg.run_dir, "trainer_epoch") if cfg.run_dir else None
     self.epoch = int(open(self._epoch_path).read()) if self._epoch_path and os.path.exists(self._epoch_path) else 0
     self._conns, self._conn_lock = {}, threading.Lock()  # socket -> _Conn
-    self._peers = collections.Counter()  # peer address -> its requests in service
+    self._peers, self._rate = collections.Counter(), {}  # peer address -> requests in service; (bucket, time)
     self._threads, self._started = [], time.monotonic()
     # A deep accept queue: when it is full the kernel drops a newcomer's SYN, which costs that client 1 s.
     self._sock = socket.create_server((cfg.host, cfg.port), backlog=max(128, min(cfg.max_clients, 4096)))
@@ -1481,10 +1483,15 @@ class Server:
     payload, peer, admitted = _Payload(c.sock, plen, self._deadline(plen)), c.sock.getpeername()[0], False
     try:
       try:
-        with self._conn_lock:  # the peer's quota: requests in service at once, from handler to reply sent
-          if self._peers[peer] >= self.cfg.max_peer_requests:
-            raise _Refused("busy", f"{name} refused: {peer} has {self.cfg.max_peer_requests} requests in service")
-          self._peers[peer] = admitted = self._peers[peer] + 1
+        with self._conn_lock:  # the peer's quotas: requests in service at once (handler to reply sent), and
+          # requests started per second, a bucket of one second's worth (only token holders get here: bounded)
+          now, rps = time.monotonic(), self.cfg.max_peer_rps
+          tokens, at = self._rate.get(peer, (rps, now))
+          tokens = min(rps, tokens + (now - at) * rps)
+          if self._peers[peer] >= self.cfg.max_peer_requests or tokens < 1:
+            raise _Refused("busy", f"{name} refused: {peer} has {self._peers[peer]} requests in service (max "
+                           f"{self.cfg.max_peer_requests}) and {tokens:.1f} of its {rps:g}/s left")
+          self._peers[peer], self._rate[peer], admitted = self._peers[peer] + 1, (tokens - 1, now), True
         if "epoch" in header:
           self._fence(name, header["epoch"])
         reply = handler(header, payload)
@@ -1861,6 +1868,7 @@ def _main():
                      ("max_header_kb", "Cap on a frame header (KiB, default {})."),
                      ("max_clients", "Concurrent connections (count, default {})."),
                      ("max_peer_requests", "One peer address's requests in service at once (count, default {})."),
+                     ("max_peer_rps", "Requests one peer address may start per second (1/s, default {})."),
                      ("idle_timeout_s", "Idle connection timeout (s, default {})."),
                      ("header_timeout_s", "Time for a frame's prefix+header to arrive (s, default {})."),
                      ("min_rate_mb_s", "Slowest accepted payload rate (MB/s, default {})."),

@@ -55,7 +55,6 @@ import data
 import losses
 import model
 import param_server
-from tasks import arithmetic
 
 FLAGS = flags.FLAGS
 
@@ -1417,13 +1416,13 @@ def run_sft():
 
 def teacher_completion(problem, slip: float, rng) -> str:
   """The SFT target: the reference completion, except that with probability `slip` (one draw of `rng`) a negative
-  difference loses its sign (tasks.arithmetic.sign_slip: 5-21 -> 16). The flaw depends on the input, so RL must
-  learn when to write the sign, not drop a constant habit."""
+  difference loses its sign (5-21 -> 16). The flaw depends on the input (a - b with a >= b is right either way), so
+  RL must learn when to write the sign, not drop a constant habit."""
   text = data.reference_completion(problem)
   if slip and rng.random() < slip:
     if not re.fullmatch(r"\d+-\d+=", problem.prompt):
       raise ValueError(f"--sft_slip: the flawed teacher writes differences only (ops=-), got {problem.prompt!r}")
-    text = arithmetic.sign_slip(problem)
+    text = text.lstrip("-")
   return text
 
 

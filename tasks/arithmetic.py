@@ -36,12 +36,6 @@ def split_key(prompt):
   return f"{op}{min(int(a), int(b))},{max(int(a), int(b))}"
 
 
-def sign_slip(problem):
-  """The demo's flawed teacher (train.py --sft_slip): a negative difference written without its sign (5-21 -> 16).
-  The flaw depends on the input: a - b with a >= b is right either way, so RL must learn when to write the sign."""
-  return problem.answer.lstrip("-")
-
-
 def verify(problem, completion, *_) -> float:
   s = completion.strip()
   return float(re.fullmatch(r"-?\d+", s) is not None and str(int(s)) == s and int(s) == int(problem.answer))

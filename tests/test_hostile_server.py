@@ -149,6 +149,29 @@ def test_every_op_needs_the_token_and_a_peer_has_a_quota():
     srv.stop()
 
 
+def test_a_peer_starts_at_most_max_peer_rps_requests_per_second():
+  """The request-rate quota: a token holder flooding one connection with 60 STATS gets its bucket of 20 (one
+  second's worth at 20/s) served and the rest answered "busy", without the connection being closed; a second
+  later the bucket has refilled and it is served again, and a Client retries "busy" by itself."""
+  srv = ps.Server(ps.ServerConfig(token=TOKEN, max_peer_rps=20.0)).start()
+  try:
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    s.sendall(frame(ps.AUTH, {"token": TOKEN}) + frame(ps.STATS, {}) * 60)
+    got = replies(s, 61)
+    ok, busy = sum(m == ps.OK for m, _, _ in got), [h for m, h, _ in got if m == ps.ERROR]
+    assert 20 <= ok <= 24 and len(busy) == 61 - ok, (ok, busy[:1])  # 20 + what refills while they are served
+    assert all(h["code"] == "busy" and "of its 20/s left" in h["error"] for h in busy), busy[0]
+    time.sleep(1.0)
+    s.sendall(frame(ps.STATS, {}) * 5)
+    assert [m for m, _, _ in replies(s, 5)] == [ps.OK] * 5
+    c = ps.Client(port=srv.port, token=TOKEN)
+    t0 = time.monotonic()
+    assert all(c.latest_version() == -1 for _ in range(40))  # past the bucket: retried, slower, never an error
+    assert time.monotonic() - t0 > 0.5
+  finally:
+    srv.stop()
+
+
 def test_a_stale_lease_holder_can_neither_ack_fail_release_nor_requeue():
   """Worker A's lease expired and B leased the item: A's ack, fail, hand-back (release) and requeue are refused;
   B's work counts. A lease that expired without being re-leased can still be handed back by its holder."""
