@@ -37,7 +37,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import sys
 import time
@@ -153,10 +152,10 @@ def define_flags():
   flags.DEFINE_float("sft_target_loss", 0.0, "Stop SFT once the mean loss (nats/token) of the last 50 steps is <= "
                      "this, --sft_steps being the cap: the base then lands at the same quality whatever the seed or "
                      "machine, instead of wherever a fixed step count leaves it. 0 = off. Default 0.")
-  flags.DEFINE_float("sft_slip", 0.0, "Probability (0-1) that the SFT teacher writes a negative difference without "
-                     "its sign (5-21 -> 16): a flawed teacher whose error depends on the input, so RL with the "
-                     "verifier must learn when to write the sign. Arithmetic with ops=- only. 0 = a perfect teacher. "
-                     "Default 0.")
+  flags.DEFINE_float("sft_slip", 0.0, "Probability (0-1) that the SFT teacher writes the answer's last digit one too "
+                     "high (9 -> 0): a flawed teacher. SFT run to convergence then lands at a known per-sample pass "
+                     "rate (1 - slip) whatever the seed, and RL with the verifier has to unlearn the habit. "
+                     "0 = a perfect teacher. Default 0.")
   flags.DEFINE_string("sft_out", None, "Where SFT writes its HF checkpoint. Default <run_dir>/base.")
   flags.DEFINE_string("model_config", "d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,ffw_dim=512",
                       "Tiny model shape for SFT from scratch. Default d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,"
@@ -1415,14 +1414,13 @@ def run_sft():
 
 
 def teacher_completion(problem, slip: float, rng) -> str:
-  """The SFT target: the reference completion, except that with probability `slip` (one draw of `rng`) a negative
-  difference loses its sign (5-21 -> 16). The flaw depends on the input (a - b with a >= b is right either way), so
-  RL must learn when to write the sign, not drop a constant habit."""
+  """The SFT target: the reference completion, except that with probability `slip` (one draw of `rng`) the last
+  digit is written one too high (9 -> 0). The rest of the answer stays right, so the student must still learn the
+  task to imitate the slip; the slip is a habit RL can remove, not a skill it has to discover."""
   text = data.reference_completion(problem)
-  if slip and rng.random() < slip:
-    if not re.fullmatch(r"\d+-\d+=", problem.prompt):
-      raise ValueError(f"--sft_slip: the flawed teacher writes differences only (ops=-), got {problem.prompt!r}")
-    text = text.lstrip("-")
+  last = max((i for i, c in enumerate(text) if c.isdigit()), default=None)
+  if slip and rng.random() < slip and last is not None:
+    text = text[:last] + str((int(text[last]) + 1) % 10) + text[last + 1:]
   return text
 
 

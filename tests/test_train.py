@@ -222,26 +222,21 @@ def test_sft_stops_at_its_target_loss(tmp_path):
   assert os.path.exists(tmp_path / "run" / "base" / "config.json")
 
 
-def test_sft_teacher_drops_the_sign_of_negative_differences_at_its_rate():
-  """--sft_slip: the flawed teacher of the demo. A slipped target is a negative difference without its sign (the
-  digits intact); a non-negative difference is never changed, so the flaw depends on the input; 0 is the
-  reference itself; an addition is refused (the flaw is defined for differences only)."""
+def test_sft_teacher_slips_only_the_last_digit_at_its_rate():
+  """--sft_slip: the flawed teacher of the demo. The slipped target is the answer with its last digit one too high
+  (9 wraps to 0), the rest intact; the slip rate is the flag's, and 0 is the reference itself."""
   import random
   import data
-  probs = data.make_task_problems("arithmetic", 2000, difficulty=2, seed=0, ops="-")
+  probs = data.make_task_problems("arithmetic", 2000, difficulty=2, seed=0, ops="+")
   rng = random.Random(0)
   outs = [train.teacher_completion(p, 0.9, rng) for p in probs]
-  neg = [p for p in probs if int(p.answer) < 0]
-  assert 800 < len(neg) < 1200  # a - b with a, b drawn alike: about half are negative
   slipped = [o != p.answer for o, p in zip(outs, probs)]
-  assert 0.87 < sum(slipped) / len(neg) < 0.93
+  assert 0.87 < np.mean(slipped) < 0.93
   for o, p, s in zip(outs, probs, slipped):
-    a, b = map(int, p.prompt[:-1].split("-"))  # the answer recomputed from the prompt, not from our code
-    assert int(o) == (abs(a - b) if s else a - b) and (not s or a < b)
+    assert o[:-1] == p.answer[:-1] and len(o) == len(p.answer)
+    assert int(o[-1]) == (int(p.answer[-1]) + s) % 10
   assert all(train.teacher_completion(p, 0.0, rng) == p.answer for p in probs[:100])
-  assert train.teacher_completion(data.Problem("x", "5-21=", "-16", "arithmetic"), 0.999999, random.Random(1)) == "16"
-  with pytest.raises(ValueError, match="differences only"):
-    train.teacher_completion(data.Problem("x", "5+21=", "26", "arithmetic"), 0.999999, random.Random(1))
+  assert train.teacher_completion(data.Problem("x", "1+8=", "9", "arithmetic"), 0.999999, random.Random(1)) == "0"
 
 
 def test_hostmem_tune_stops_fresh_pages_in_every_step():
