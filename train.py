@@ -947,22 +947,41 @@ class Checkpointer:
     a = self.ocp.args
     self.mngr.save(step, args=a.Composite(params=a.StandardSave(params), opt=a.StandardSave(opt_state),
                                           state=a.JsonSave(state), sums=a.JsonSave(checksums((params, opt_state)))))
+    self._seal()
     return True
 
   def wait(self):
     """Blocks until the last save is committed."""
     self.mngr.wait_until_finished()
+    self._seal()
+
+  def _sizes(self, step):
+    d = os.path.join(self.path, str(step))
+    return {os.path.relpath(os.path.join(r, f), d): os.path.getsize(os.path.join(r, f))
+            for r, _, fs in os.walk(d) for f in fs if not f.startswith("sizes.json")}
+
+  def _seal(self):
+    """Process 0 records each committed step's file sizes beside it, once; restore() compares them on every process
+    before orbax reads a byte, so a file truncated or lost for one process fails there and on all the others alike
+    (orbax's own read error comes on that process alone, inside its collectives: the others wait forever)."""
+    if jax.process_index() == 0 and "://" not in self.path:  # a step dir gets its number when orbax commits it
+      for step in (n for n in os.listdir(self.path) if n.isdigit()):
+        if not os.path.exists(f := os.path.join(self.path, step, "sizes.json")):
+          common.write_atomic(f, json.dumps(self._sizes(step)))
 
   def restore(self, params_like, opt_like):
     """(params, opt_state, state) of the newest intact committed step placed like params_like/opt_like, or None.
-    A step that does not restore or whose arrays fail their checksums (a flipped bit, a truncated file) is set
-    aside as <step>.damaged-<unix time> (never deleted), logged and counted in self.damaged, and the step before it
-    is tried; if no step restores, nothing is set aside and the newest step's error is raised (a config
-    mismatch, not damage, fails every step alike)."""
+    A step whose files are not the sizes recorded at commit (_seal), that does not restore, or whose arrays fail
+    their checksums (a flipped bit) is set aside as <step>.damaged-<unix time> (never deleted), logged and counted
+    in self.damaged, and the step before it is tried; if no step restores, nothing is set aside and the newest
+    step's error is raised (a config mismatch, not damage, fails every step alike)."""
     a, bad = self.ocp.args, []
     abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)  # noqa: E731
     for step in sorted(self.mngr.all_steps(), reverse=True):
       try:
+        f = os.path.join(self.path, str(step), "sizes.json")
+        if "://" not in self.path and os.path.exists(f) and json.load(open(f)) != self._sizes(step):
+          raise ValueError("its files are not the sizes recorded when it was committed (truncated or lost)")
         r = self.mngr.restore(step, args=a.Composite(params=a.StandardRestore(abstract(params_like)),
                                                      opt=a.StandardRestore(abstract(opt_like)),
                                                      state=a.JsonRestore(), sums=a.JsonRestore()))

@@ -134,6 +134,24 @@ def test_checkpoint_by_4_processes_resumes_on_2_and_1_with_the_same_losses(tmp_p
       np.testing.assert_allclose(resumed[s], full[s], rtol=2e-5)
 
 
+def test_a_step_damaged_for_one_process_only_is_set_aside_by_all(tmp_path):
+  """Issue 39: a checkpoint file that only process 1 reads is truncated. Both processes must agree to set the step
+  aside and resume from the step before. Without the file sizes recorded at commit, process 1 raised inside
+  orbax's restore while process 0 waited in orbax's collectives until it was killed."""
+  d = str(tmp_path / "ckpt")
+  for start, stop in ((0, 3), (3, 6)):  # steps 3 and 6 saved by 2 processes
+    out = _run("ckpt", 2, [(d, start, stop, stop)] * 2)
+    assert all(rc == 0 for rc, _ in out), "\n".join(o[-2000:] for _, o in out)
+  files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, "6")) for f in fs if "process_1" in r]
+  victim = max(files, key=os.path.getsize)
+  with open(victim, "r+b") as fh:
+    fh.truncate(os.path.getsize(victim) // 2)
+  out = _run("ckpt", 2, [(d, 3, 4, 0)] * 2, timeout=120)  # the helper asserts that step 3 is what restored
+  assert all(rc == 0 for rc, _ in out), "\n".join(o[-2000:] for _, o in out)
+  assert sorted(x.split(".")[0] for x in os.listdir(d) if x[0].isdigit()) == ["3", "6"]
+  assert any(x.startswith("6.damaged-") for x in os.listdir(d)), os.listdir(d)
+
+
 def test_kill_during_async_checkpoint_leaves_the_previous_one_valid(tmp_path):
   d = str(tmp_path / "ckpt")
   script = f"""

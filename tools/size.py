@@ -18,9 +18,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # eval during training through the workers, TensorBoard. Issue 39 (security and integrity): checkpoint checksums
 # with set-aside of damaged steps, the harness-outside-the-process contract, the server's authenticated reads,
 # quotas, owned leases and framed queue logs (the bubblewrap sandbox itself was -14); then the server's per-peer
-# request-rate quota (+8) and issue 40's held-out split by operand pair and the star preset (+13). Raise these only
-# in the commit that needs it, and say why.
-TOTAL_BUDGET = 8310
+# request-rate quota (+8), issue 40's held-out split by operand pair and the star preset (+13), and checkpoint
+# file sizes recorded at commit so that every trainer process sets a step damaged for one of them aside alike
+# (+19). Raise these only in the commit that needs it, and say why.
+TOTAL_BUDGET = 8330
 FILE_BUDGET = 1910  # no single file past this: param_server.py is the largest
 
 
