@@ -966,8 +966,11 @@ class Checkpointer:
     (orbax's own read error comes on that process alone, inside its collectives: the others wait forever)."""
     if jax.process_index() == 0 and "://" not in self.path:  # a step dir gets its number when orbax commits it
       for step in (n for n in os.listdir(self.path) if n.isdigit()):
-        if not os.path.exists(f := os.path.join(self.path, step, "sizes.json")):
-          common.write_atomic(f, json.dumps(self._sizes(step)))
+        try:  # (orbax may be deleting a step past max_to_keep meanwhile)
+          if not os.path.exists(f := os.path.join(self.path, step, "sizes.json")):
+            common.write_atomic(f, json.dumps(self._sizes(step)))
+        except OSError:
+          pass
 
   def restore(self, params_like, opt_like):
     """(params, opt_state, state) of the newest intact committed step placed like params_like/opt_like, or None.
