@@ -1,0 +1,219 @@
+"""Weight sync across a real, rate-limited link, and the pod-scale model it checks (issue 41 item 4).
+
+Two network namespaces made by this bench (as root: `ip netns`, a veth pair, `tc tbf` on both ends at --mbit),
+a param_server.py and the publisher in one, --workers pulling processes in the other, so every weight byte crosses
+the shaped link; the namespaces are removed at the end, whatever happens, and every child has a deadline.
+Traffic only between the two namespaces (and each one's loopback).
+
+1. Inputs measured here, over the server namespace's loopback (no shaping): the serving rate of one shard server
+   to --workers concurrent full pulls (aggregate), and a worker's delta pull rate (held bytes per second: a delta
+   pull today reassembles and crc-checks the whole held copy on the host, so it is bound by that, not the wire).
+2. The link: a version of --model_mb (bf16) published, pulled in full by every worker at once, then the next
+   version, differing in --changed of its elements, pulled as a delta. Measured beside the model's prediction:
+   full = max(W M / link, W M / serve), delta = W M d / link + the loopback delta sync (d: delta bytes / full).
+3. The projection (labelled so, not a measurement): QwQ-32B in bf16 on a v5p-512 trainer, hosts from launch.sh's
+   TPU table, one shard server per host, 128 workers each holding the whole model, 25 GB/s per v5p host (the issue's
+   figure from the Cloud TPU docs: 200 Gbit/s), the serving rate and apply rate from 1., the delta fraction from
+   RESULTS.md "Delta weight sync" (bench.sharded --delta: 125M params, bf16, lr 1e-6). Each sync's bottleneck named.
+
+  sudo python -m bench.link                                     # 64 MiB model, 2 workers, 400 Mbit/s (~1 min)
+  sudo python -m bench.link --model_mb=16 --workers=2 --mbit=200   (the test's size)
+"""
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.util import ROOT
+
+TOKEN = "link-bench"
+# delta bytes / full bytes of bench.sharded --delta, v0->v1 .. v3->v4 (RESULTS.md "Delta weight sync"): mean 1.60%
+MEASURED_DELTA_FRAC = (0.0225 + 0.0161 + 0.0135 + 0.0120) / 4
+V5P_HOST_BYTES_S = 25e9  # 200 Gbit/s per v5p host (issue 41, from the Cloud TPU docs)
+
+PUBLISH = """
+import json, sys, time
+import numpy as np, ml_dtypes, param_server as ps
+addr, mb, changed, go = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+c = ps.connect(addr, token=%r)
+rng = np.random.default_rng(0)
+n = int(mb * 2**20 / 2 / 8)
+ws = [rng.standard_normal(n, np.float32).astype(ml_dtypes.bfloat16) for _ in range(8)]  # 8 tensors
+def publish(v):
+  tensors = {}
+  for i, w in enumerate(ws):
+    c.stage(v, v, f"w{i}", [[0, n]], w)
+  pieces = {p["name"]: p for p in c.staged(v, v)["pieces"]}
+  c.commit(dict(version=v, servers=[addr], tensors={f"w{i}": dict(dtype="bfloat16", shape=[n], pieces=[dict(
+      index=[[0, n]], crc=pieces[f"w{i}"]["crc"], server=0)]) for i in range(8)}))
+publish(0)
+print("V0", flush=True)
+while not __import__("os").path.exists(go):  # the pullers hold v0: now the next version
+  time.sleep(0.05)
+for w in ws:
+  idx = rng.choice(n, int(changed * n), replace=False)
+  w[idx] = (w[idx].astype(np.float32) * np.float32(1.01)).astype(ml_dtypes.bfloat16)
+t = time.time()
+publish(1)
+print("V1", t, flush=True)
+""" % TOKEN
+
+PULL = """
+import json, sys, time
+import ml_dtypes, numpy as np, param_server as ps  # (imported before the clock starts)
+addr, out = sys.argv[1], sys.argv[2]
+c, clients = ps.connect(addr, token=%r), {}
+m0 = c.manifest(wait_s=60)
+want = {k: [tuple((0, d) for d in t["shape"])] for k, t in m0["tensors"].items()}
+t0 = time.time(); st = {}
+held = {name: bufs for name, bufs in ps.pull_slices(m0, want, clients, stats=st, token=%r)}
+r = dict(full_start=t0, full_end=time.time(), full_bytes=st["bytes"])
+open(out + ".held", "w").close()
+m1 = c.manifest(newer_than=0, wait_s=120)
+t1 = time.time(); st = {}
+for name, bufs in ps.pull_slices(m1, want, clients, base=m0, held=lambda n, s: held[n], stats=st, token=%r):
+  pass
+r.update(delta_start=t1, delta_end=time.time(), delta_bytes=st["bytes"], delta_full_bytes=st["full_bytes"])
+json.dump(r, open(out, "w"))
+""" % (TOKEN, TOKEN, TOKEN)
+
+
+def sh(*cmd, ns=None):
+  return subprocess.run((["ip", "netns", "exec", ns] if ns else []) + list(cmd), check=True, capture_output=True,
+                        text=True, timeout=30).stdout
+
+
+@contextlib.contextmanager
+def link(mbit):
+  """Namespaces <tag>a (10.77.0.1) and <tag>b (10.77.0.2) joined by a veth pair shaped to mbit each way."""
+  tag = f"rlxl{os.getpid() % 100000}"
+  a, b = tag + "a", tag + "b"
+  try:
+    for ns in (a, b):
+      sh("ip", "netns", "add", ns)
+      sh("ip", "link", "set", "lo", "up", ns=ns)
+    sh("ip", "link", "add", a, "netns", a, "type", "veth", "peer", "name", b, "netns", b)
+    for ns, ip in ((a, "10.77.0.1"), (b, "10.77.0.2")):
+      sh("ip", "addr", "add", f"{ip}/24", "dev", ns, ns=ns)
+      sh("ip", "link", "set", ns, "up", ns=ns)
+      if mbit:  # token bucket: rate mbit, a burst of ~4 ms of it
+        sh("tc", "qdisc", "add", "dev", ns, "root", "tbf", "rate", f"{mbit}mbit", "burst",
+           str(max(32768, int(mbit * 1e6 / 8 * 0.004))), "latency", "100ms", ns=ns)
+    yield a, b
+  finally:
+    for ns in (a, b):
+      subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def run_sync(ns_srv, ns_wrk, srv_ip, model_mb, changed, workers, tmp):
+  """Server + publisher in ns_srv, `workers` pullers in ns_wrk: their JSON records, and the publisher's v1 time."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  port_file, token_file, go = (os.path.join(tmp, f) for f in ("port", "token", "go"))
+  for f in (port_file, go):
+    if os.path.exists(f):
+      os.remove(f)
+  open(token_file, "w").write(TOKEN + "\n")
+  ex = lambda ns, *cmd, **kw: subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, *cmd], cwd=ROOT, env=env,  # noqa: E731
+                                               **kw)
+  server = ex(ns_srv, "param_server.py", f"--host={srv_ip}", "--port=0", f"--port_file={port_file}",
+              f"--token_file={token_file}", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  procs = [server]
+  try:
+    t0 = time.monotonic()
+    while not os.path.exists(port_file):
+      assert server.poll() is None and time.monotonic() - t0 < 30, "param_server.py did not start"
+      time.sleep(0.05)
+    addr = f"{srv_ip}:{int(open(port_file).read())}"
+    pub = ex(ns_srv, "-c", PUBLISH, addr, str(model_mb), str(changed), go, stdout=subprocess.PIPE, text=True)
+    procs.append(pub)
+    assert pub.stdout.readline().startswith("V0")
+    outs = [os.path.join(tmp, f"pull{i}.json") for i in range(workers)]
+    for o in outs:
+      for f in (o, o + ".held"):
+        if os.path.exists(f):
+          os.remove(f)
+    procs += [ex(ns_wrk, "-c", PULL, addr, o) for o in outs]
+    end = time.monotonic() + 600
+    while not all(os.path.exists(o + ".held") for o in outs):
+      assert time.monotonic() < end and all(p.poll() in (None, 0) for p in procs[2:]), "a puller failed"
+      time.sleep(0.05)
+    open(go, "w").close()
+    t_commit = float(pub.stdout.readline().split()[1])
+    for p in procs[2:]:
+      assert p.wait(timeout=600) == 0, "a puller failed"
+    return [json.load(open(o)) for o in outs], t_commit
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+
+
+def v5p_hosts(cores):
+  """Trainer hosts of v5p-<cores> from launch.sh's TPU table (cores per chip, chips per host)."""
+  row = next(line for line in open(os.path.join(ROOT, "launch.sh")) if re.match(r"v5p\s+v5p-N\s", line))
+  per_chip, per_host = int(row.split()[3]), int(row.split()[4])
+  return cores // per_chip // per_host
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model_mb", type=float, default=64, help="model size in MiB, bf16 (default 64)")
+  p.add_argument("--workers", type=int, default=2, help="pulling worker processes (default 2)")
+  p.add_argument("--mbit", type=float, default=400, help="link rate each way, Mbit/s (default 400)")
+  p.add_argument("--changed", type=float, default=0.02, help="fraction of elements the next version changes "
+                 "(default 0.02, in bench.sharded --delta's measured 1.7-3.4%%)")
+  a = p.parse_args()
+  if os.geteuid() != 0:
+    sys.exit("bench.link: needs root (ip netns, tc)")
+  M = a.model_mb * 2**20
+  with tempfile.TemporaryDirectory() as tmp, link(a.mbit) as (ns_a, ns_b):
+    # 1. Inputs, over ns_a's loopback (no shaping)
+    recs, t1 = run_sync(ns_a, ns_a, "127.0.0.1", a.model_mb, a.changed, a.workers, tmp)
+    serve = sum(r["full_bytes"] for r in recs) / (max(r["full_end"] for r in recs) - min(r["full_start"] for r in recs))
+    apply_rate = statistics_mean([r["delta_full_bytes"] / (r["delta_end"] - r["delta_start"]) for r in recs])
+    d = statistics_mean([r["delta_bytes"] / r["delta_full_bytes"] for r in recs])
+    delta_lo = max(r["delta_end"] for r in recs) - t1  # staging, commit, the server's delta build, every apply
+    print(f"measured, loopback: one server serves {a.workers} concurrent full pulls at {serve / 1e6:.0f} MB/s "
+          f"aggregate; a delta pull applies {apply_rate / 1e6:.0f} MB/s of held weights; {100 * a.changed:.1f}% of "
+          f"elements changed -> delta bytes {100 * d:.2f}% of full; delta sync (commit to the last apply) "
+          f"{delta_lo:.2f} s")
+    # 2. The link
+    link_bps = a.mbit * 1e6 / 8
+    recs, t1 = run_sync(ns_a, ns_b, "10.77.0.1", a.model_mb, a.changed, a.workers, tmp)
+    full = max(r["full_end"] for r in recs) - min(r["full_start"] for r in recs)
+    delta = max(r["delta_end"] for r in recs) - t1
+    W = a.workers
+    pf, pd = max(W * M / link_bps, W * M / serve), W * M * d / link_bps + delta_lo
+    print(f"link {a.mbit:g} Mbit/s, {W} workers, {a.model_mb:g} MiB bf16: full sync measured {full:.2f} s, model "
+          f"{pf:.2f} s ({'link' if W * M / link_bps >= W * M / serve else 'server'}-bound); delta sync measured "
+          f"{delta:.2f} s (commit to the last worker's apply), model {pd:.2f} s")
+  # 3. The projection
+  hosts, workers, model_b = v5p_hosts(512), 128, 32.8e9 * 2
+  per_server = model_b / hosts
+  full_net = per_server * workers / V5P_HOST_BYTES_S
+  full_s = per_server * workers / min(V5P_HOST_BYTES_S, serve)
+  delta_wire = per_server * workers * MEASURED_DELTA_FRAC / min(V5P_HOST_BYTES_S, serve)
+  delta_apply = model_b / apply_rate
+  print(f"PROJECTION (not a measurement), QwQ-32B bf16 ({model_b / 1e9:.1f} GB), trainer v5p-512 = {hosts} hosts "
+        f"(launch.sh's table), one shard server each ({per_server / 1e9:.2f} GB), {workers} workers each holding the "
+        f"whole model; inputs: {V5P_HOST_BYTES_S / 1e9:.0f} GB/s per host (Cloud TPU docs, via issue 41), serving "
+        f"rate {serve / 1e9:.2f} GB/s per server process and apply rate {apply_rate / 1e9:.2f} GB/s (measured above, "
+        f"this box), delta bytes {100 * MEASURED_DELTA_FRAC:.2f}% of full (RESULTS.md, bench.sharded --delta)")
+  print(f"  full sync: {full_s:.1f} s vs the network floor {full_net:.1f} s ({full_s / full_net:.1f}x): "
+        f"{'the server process' if serve < V5P_HOST_BYTES_S else 'the host link'} is the bottleneck")
+  print(f"  delta sync: wire {delta_wire:.2f} s + host-side apply of the whole held copy {delta_apply:.1f} s = "
+        f"{delta_wire + delta_apply:.1f} s: {'the apply' if delta_apply > delta_wire else 'the wire'} is the "
+        f"bottleneck (goal <= 2 s)")
+
+
+def statistics_mean(xs):
+  return sum(xs) / len(xs)
+
+
+if __name__ == "__main__":
+  main()
