@@ -20,6 +20,7 @@ The first arm of a seed builds the SFT base and its held-out eval; the other arm
 
   python -m bench.controls                         # 3 seeds x 5 arms, 400 steps (~5 min per arm on 2 cores)
   python -m bench.controls --seeds=0 --arms=grpo,star --steps=100 --out_dir=/tmp/ctl
+  python -m bench.controls --report --seeds=0,1,2 --arms=grpo,star --out_dir=/tmp/ctl   (re-read, run nothing)
 """
 import argparse
 import json
@@ -34,8 +35,10 @@ ARMS = {"grpo": [], "sync": ["--max_staleness=0"], "dr_grpo": ["--algo=dr_grpo"]
         "curate": ["--curate_prompts=2048", "--pass_band=0,1"]}
 
 
-def run_arm(out_dir, seed, arm, steps, eval_every):
+def run_arm(out_dir, seed, arm, steps, eval_every, report):
   run = os.path.join(out_dir, f"seed{seed}_{arm}")
+  if report:  # read what an earlier invocation ran
+    return summarize(run)
   first = os.path.join(out_dir, f"seed{seed}_first")
   if os.path.isdir(os.path.join(first, "base")) and not os.path.exists(run):  # reuse the seed's base and its eval
     os.makedirs(run)
@@ -48,6 +51,10 @@ def run_arm(out_dir, seed, arm, steps, eval_every):
                    stderr=subprocess.STDOUT)
   if not os.path.exists(first):
     os.symlink(os.path.abspath(run), first)
+  return summarize(run)
+
+
+def summarize(run):
   recs = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
   steps_ = [r for r in recs if "reward" in r]
   group = json.load(open(os.path.join(run, "flags.json")))["group_size"] if os.path.exists(
@@ -71,7 +78,10 @@ def plot(res, seeds, arms, path):
   for i, arm in enumerate(arms):
     for j, seed in enumerate(seeds):
       r = res[seed, arm]
-      pts = [(0, 0.0, r["before"]["pass@8"])] + r["evals"]
+      # the base and the final policy (the same held-out problems and sampling seeds), between them the evals
+      # during training (other sampling seeds)
+      pts = [(0, 0.0, r["before"]["pass@8"])] + [e for e in r["evals"] if e[0] > 0] + [
+          (r["steps"][-1]["step"], r["secs"], r["after"]["pass@8"])]
       kw = dict(color=f"C{i}", alpha=0.8, label=arm if j == 0 else None)
       axes[0].plot([s for s, _, _ in pts], [100 * p for _, _, p in pts], **kw)
       axes[1].plot([t for _, t, _ in pts], [100 * p for _, _, p in pts], **kw)
@@ -92,6 +102,8 @@ def main():
   p.add_argument("--steps", type=int, default=400, help="RL steps per arm (default 400, the demo's)")
   p.add_argument("--eval_every", type=int, default=50, help="held-out eval during training, steps (default 50)")
   p.add_argument("--out_dir", default="runs/controls", help="run dirs and logs go here (default runs/controls)")
+  p.add_argument("--report", action="store_true", help="run nothing: the table and curves of the arms an earlier "
+                 "invocation finished in --out_dir (several invocations' arms together)")
   a = p.parse_args()
   arms, seeds = a.arms.split(","), [int(x) for x in a.seeds.split(",")]
   if set(arms) - set(ARMS):
@@ -101,7 +113,7 @@ def main():
   pct = lambda r, k: f"{100 * r[k]:.1f}+-{100 * r[k + '_se']:.1f}"  # noqa: E731
   for seed in seeds:
     for arm in arms:
-      r = res[seed, arm] = run_arm(a.out_dir, seed, arm, a.steps, a.eval_every)
+      r = res[seed, arm] = run_arm(a.out_dir, seed, arm, a.steps, a.eval_every, a.report)
       w = r["steps"]
       print(f"seed {seed} {arm}: {len(w)} steps in {r['secs']:.0f} s; verifier calls {r['calls']}; held-out pass@1 "
             f"{pct(r['before'], 'pass@1')} -> {pct(r['after'], 'pass@1')}, pass@8 {pct(r['before'], 'pass@8')} -> "
