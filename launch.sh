@@ -104,9 +104,10 @@ parse_local_flags() {
 DEMO_TASK=arithmetic DEMO_TASK_ARGS=difficulty=2,ops=+
 DEMO_TASK_FLAGS=("--task=$DEMO_TASK" "--task_args=$DEMO_TASK_ARGS" --train_size=7900)
 # The base is SFT on a flawed teacher (--sft_slip: 90% of its answers end one too high) trained until it imitates it
-# (1600 steps of 128): it lands at ~10-20% pass@1 whatever the seed, and GRPO with the exact-answer verifier must
-# unlearn the habit. (Input-dependent flaws tried for issue 40 are in RESULTS.md "The main job".)
-DEMO_SFT_FLAGS=(--sft_steps=1600 --sft_batch=128 --sft_lr=3e-3 --sft_slip=0.9)
+# (the mean loss of 50 steps of 128 <= 0.15 nats/token, at most 4000 steps: a fixed 1600 left seed 1 on the loss
+# plateau at 0.36, RESULTS.md "The main job"), and GRPO with the exact-answer verifier must unlearn the habit.
+# (Input-dependent flaws tried for issue 40 are in RESULTS.md too.)
+DEMO_SFT_FLAGS=(--sft_steps=4000 --sft_batch=128 --sft_lr=3e-3 --sft_slip=0.9 --sft_target_loss=0.15)
 DEMO_RL_FLAGS=(--algo=grpo --steps=400 --prompts_per_step=16 --group_size=8 --lr=3e-4 --dynamic_sampling
                 --checkpoint_every=10)
 DEMO_EVAL_FLAGS=("--eval_task=$DEMO_TASK" "--eval_task_args=$DEMO_TASK_ARGS" --eval_n=500 --k=8 --temperature=1.0)
