@@ -821,6 +821,11 @@ class Rollout:
   gen_s: float = 0.0
   stats: dict = dataclasses.field(default_factory=dict)
 
+  @property
+  def n_tokens(self) -> int:
+    """Completion tokens generated for this group."""
+    return sum(len(c) for c in self.completions)
+
   def prompt_item(self, id: str, group_size: int) -> PromptItem:
     """The prompt again, under a new id (a stale rollout's prompt is re-issued)."""
     return PromptItem(id, self.problem, self.prompt_tokens, group_size)

@@ -147,24 +147,33 @@ def sample(logits, keys, sc: SamplingConfig):
   return tok.astype(jnp.int32), jnp.take_along_axis(shifted, tok[:, None], -1)[:, 0] - lse
 
 
-def group_keys(seed: int, prompt_id: str, G: int):
-  """[G,2] keys of a prompt's G samples, from the seed and the prompt id alone (sample j folds in j; the engine
-  folds in the step): a re-issued prompt reproduces its tokens on any worker, and a continued one goes on with
-  the keys it started with."""
-  key = jax.random.fold_in(jax.random.PRNGKey(seed), zlib.crc32(prompt_id.encode()) & 0x7FFFFFFF)
-  return jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(G))
+def sample_ids(prompt_id: str, G: int):
+  """[G,2] uint32 (crc of the prompt id, j) of a prompt's G samples: with the seed, all the engine needs to derive
+  sample j's key inside its jitted insert (sample_keys), so a re-issued prompt reproduces its tokens on any worker
+  and a continued one goes on with the keys it started with. No device work per group on the host."""
+  return np.stack([np.full(G, zlib.crc32(prompt_id.encode()) & 0x7FFFFFFF), np.arange(G)], 1).astype(np.uint32)
+
+
+def sample_keys(seed, ids):
+  """[n,2] keys from sample_ids rows: PRNGKey(seed) folded with the prompt's crc, then with j (the engine folds in
+  the step)."""
+  return jax.vmap(lambda c, j: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), c), j))(
+      ids[:, 0], ids[:, 1])
 
 
 # --- The decode engine -------------------------------------------------------------------------------------------
 
 class Engine:
   """Continuous batching: `slots` sequences decode in one KV cache, `chunk_steps` jit-compiled steps per call and
-  one host sync per chunk (never per token), after which the host reads out the finished slots (rows) and refills
-  them with new prompts (insert, prefilled as one batch; resume for continued samples)."""
+  one device-to-host transfer per chunk (never per token or per group: the host copy serves every rows() call
+  until the state changes), after which the host reads out the finished slots (rows) and refills them with new
+  prompts (insert, prefilled as one batch, sampling keys derived inside it from `seed`; resume for continued
+  samples)."""
 
   def __init__(self, cfg, sc: SamplingConfig, slots: int, max_prompt_len: int, chunk_steps: int = 8,
-               attn_impl="auto"):
+               attn_impl="auto", seed: int = 0):
     self.cfg, self.sc, self.B, self.chunk_steps, self.attn_impl = cfg, sc, slots, chunk_steps, attn_impl
+    self.seed, self._host = seed, None  # _host: the last chunk's host copy of active/tokens/logp/n_gen/versions
     self.M, self.max_prompt_len, self.state = sc.max_new_tokens, max_prompt_len, None
     # Prefill lengths (data.BUCKETS, 16..2048): fresh prompts up to max_prompt_len, continued samples (prompt +
     # partial completion) up to max_prompt_len + M.
@@ -184,6 +193,7 @@ class Engine:
 
   def reset(self, dtype):
     B, M, cfg = self.B, self.M, self.cfg
+    self._host = None
     self.state = dict(
         cache=model.init_cache(cfg, B, self.S, dtype), logits=jnp.zeros((B, cfg.vocab_size), jnp.float32),
         active=jnp.zeros((B,), bool), n_gen=jnp.zeros((B,), jnp.int32),
@@ -193,7 +203,7 @@ class Engine:
         versions=jnp.zeros((B, M), jnp.int32), logits_version=jnp.zeros((B,), jnp.int32),
         keys=jnp.zeros((B, 2), jnp.uint32))
 
-  def _insert_fn(self, params, st, prompts, lengths, rows, slots, keys, version):
+  def _insert_fn(self, params, st, prompts, lengths, rows, slots, ids, version):
     # Prefill n prompts [n,T] as one batch into a T-long cache, then copy prompt rows[j]'s cache row into slot
     # slots[j] (a prompt with G samples fills G slots; positions past T are never read: decode attends below
     # each slot's length). Padding entries have slot == B, out of range: mode="drop" skips their writes.
@@ -208,7 +218,7 @@ class Engine:
     return dict(st, cache=cache, logits=put(st["logits"], logits[rows]), active=put(st["active"], True),
                 n_gen=put(st["n_gen"], 0), tokens=put(st["tokens"], 0), logp=put(st["logp"], 0.0),
                 versions=put(st["versions"], 0), logits_version=put(st["logits_version"], version),
-                keys=put(st["keys"], keys))
+                keys=put(st["keys"], sample_keys(self.seed, ids)))
 
   def _resume_fn(self, st, slots, n_gen, tokens, logp, versions, active):
     put = lambda a, v: a.at[slots].set(v, mode="drop")  # noqa: E731
@@ -250,7 +260,7 @@ class Engine:
     raise ValueError(f"prompt of {n} tokens exceeds max_prompt_len={self.buckets[-1]}")
 
   def insert(self, params, groups, version=0):
-    """Prefills the prompts of groups = [(slots, prompt_tokens, keys [len(slots), 2]), ...] in one batch and
+    """Prefills the prompts of groups = [(slots, prompt_tokens, sample_ids [len(slots), 2]), ...] in one batch and
     starts their slots; `version` tags the first token. The batch is padded to a power of two prompts and the
     longest prompt's bucket, so the compiled shapes stay few (log2(slots) x buckets)."""
     n = 1 << (len(groups) - 1).bit_length()
@@ -265,8 +275,9 @@ class Engine:
     pad = (1 << (len(slots) - 1).bit_length()) - len(slots)
     rows, slots = np.asarray(rows + [0] * pad, np.int32), np.asarray(slots + [self.B] * pad, np.int32)
     keys = np.concatenate(keys + [np.zeros((pad, 2), np.uint32)])
-    self.state = self._insert(self._weights(params), self.state, jnp.asarray(prompts), jnp.asarray(lengths),
-                              jnp.asarray(rows), jnp.asarray(slots), jnp.asarray(keys), np.int32(version))
+    self.state, self._host = self._insert(self._weights(params), self.state, jnp.asarray(prompts),
+                                          jnp.asarray(lengths), jnp.asarray(rows), jnp.asarray(slots),
+                                          jnp.asarray(keys), np.int32(version)), None
 
   def resume(self, slots, tokens, logp, versions, done):
     """Continues samples another worker started (partial rollouts), right after insert() prefilled each slot with
@@ -279,17 +290,24 @@ class Engine:
       assert len(t) == len(l) == len(v) <= self.M and (d or len(t) < self.M), (len(t), len(l), len(v), d)
       n_gen[i], active[i], tok[i, :len(t)], lp[i, :len(t)], ver[i, :len(t)] = len(t), not d, t, l, v
     sl = np.asarray(list(slots) + [self.B] * (m - len(slots)), np.int32)
-    self.state = self._resume(self.state, *map(jnp.asarray, (sl, n_gen, tok, lp, ver, active)))
+    self.state, self._host = self._resume(self.state, *map(jnp.asarray, (sl, n_gen, tok, lp, ver, active))), None
 
   def run_chunk(self, params, version=0):
     """Decodes one chunk; returns which slots are still generating."""
-    self.state = self._chunk(self._weights(params), self.state, np.int32(version))
-    return np.asarray(self.state["active"])
+    self.state, self._host = self._chunk(self._weights(params), self.state, np.int32(version)), None
+    return self._fetch()["active"]
+
+  def _fetch(self):
+    # One transfer of everything the host reads ([B,M] x 3 + [B] x 2: 0.4 MB at B=32, M=1024), not a gather per
+    # finished group.
+    if self._host is None:
+      self._host = jax.device_get({k: self.state[k] for k in ("active", "tokens", "logp", "n_gen", "versions")})
+    return self._host
 
   def rows(self, slots):
     """Host copies of (tokens, logp, n_gen, versions) of the given slots; completions include the stop token."""
-    s = jnp.asarray(slots, jnp.int32)
-    return tuple(np.asarray(self.state[k][s]) for k in ("tokens", "logp", "n_gen", "versions"))
+    h, s = self._fetch(), np.asarray(slots, np.int64)
+    return tuple(h[k][s] for k in ("tokens", "logp", "n_gen", "versions"))
 
 
 class Slots:
@@ -314,7 +332,7 @@ class Slots:
     return [gid for gid, g in self.groups.items() if not active[g["slots"]].any()]
 
 
-def generate_groups(engine, params, items, group_size, seed):
+def generate_groups(engine, params, items, group_size):
   """Runs items = [(prompt_id, prompt_tokens)] through the engine, G samples each, without a server (eval, the
   benches). Returns {prompt_id: (completions, their log-probs)}, lists of G arrays."""
   G, B = group_size, engine.B
@@ -327,7 +345,7 @@ def generate_groups(engine, params, items, group_size, seed):
       pid, toks = pending.pop(0)
       if not 1 <= len(toks) <= engine.max_prompt_len:  # (the buckets go further: they also fit continuations)
         raise ValueError(f"prompt {pid!r} of {len(toks)} tokens exceeds max_prompt_len={engine.max_prompt_len}")
-      new.append((slots.take(pid, G), toks, group_keys(seed, pid, G)))
+      new.append((slots.take(pid, G), toks, sample_ids(pid, G)))
     if new:
       engine.insert(params, new)  # every prompt that fits, prefilled as one batch
     for pid in slots.finished(engine.run_chunk(params)):
@@ -354,6 +372,7 @@ class Worker:
   drain_deadline: float = None  # set on SIGTERM
   failed: list = dataclasses.field(default_factory=list)  # ids failed since the last success (fail_item)
   sent: int = 0
+  stale_tokens: int = 0  # tokens regenerated as too stale since the last rollout sent
 
 
 def run_worker():
@@ -368,13 +387,20 @@ def run_worker():
   if w is None:
     return
   puller = Puller(client(), w.weights.pull, w.version)
-  sender = Sender(functools.partial(send_group, w, client(), tok, pool), maxsize=FLAGS.slots)
+  sender = Sender(functools.partial(send_groups, w, client(), tok, pool), maxsize=FLAGS.slots)
   try:
     while not drained(w, stop):
       if new := puller.take():  # between chunks: the groups in flight keep their (older) tag
         w.version, w.params = new[0]["version"], new[1]
-      if w.drain_deadline is None and len(w.slots.free) >= w.group_size:
+      # Pacing: a group started on weights more than --max_staleness behind the newest would only be regenerated;
+      # wait for the puller instead.
+      behind = puller.newest - w.version > FLAGS.max_staleness
+      if w.drain_deadline is None and len(w.slots.free) >= w.group_size and not behind:
         start_groups(w, lease(w))
+      elif behind and not w.slots.groups:
+        t = time.time()
+        time.sleep(0.02)
+        w.window.add(wait_weights_s=time.time() - t)
       sender.check()
       if w.slots.groups:
         t = time.time()
@@ -410,7 +436,7 @@ def wait_for_weights(stop, client, tok):
   sc = SamplingConfig(s["temperature"], s["top_k"], s["top_p"], s["max_new_tokens"], tuple(sorted(tok.stop_ids)))
   # The KV cache is sized from the data: the trainer sends its longest kept prompt with the sampling settings.
   engine = Engine(cfg, sc, FLAGS.slots, int(s.get("max_prompt_len") or FLAGS.max_prompt_len), FLAGS.chunk_steps,
-                  FLAGS.attn_impl)
+                  FLAGS.attn_impl, seed=FLAGS.seed)
   engine.reset(jax.tree.leaves(params)[0].dtype)
   logging.info("worker %s: v%d, sampling %s, mesh %s", wid, m["version"], sc, dict(mesh.shape))
   return Worker(wid, client, engine, weights, params, m["version"], Slots(FLAGS.slots), Window())
@@ -483,7 +509,7 @@ def start_groups(w, items):
     return
   rows, resume = [], [[] for _ in range(5)]  # prefill rows; continued slots, their tokens, logp, versions, done
   for it, sl, p, part in batch:
-    keys = group_keys(FLAGS.seed, it.id, len(sl))
+    keys = sample_ids(it.id, len(sl))
     if part is None:
       rows.append((sl, p, keys))  # one prefill row for the whole group
       continue
@@ -504,46 +530,61 @@ def start_groups(w, items):
 
 
 def finish_groups(w, active, sender):
-  """Hands each group whose slots all finished to the Sender, tagged with the oldest version that produced any of
-  its tokens (a conservative staleness bound; carried tokens may predate this worker). One more than
-  --max_staleness versions behind the newest is regenerated from scratch instead (unless draining)."""
+  """Hands the groups whose slots all finished in this chunk to the Sender as one job, each tagged with the oldest
+  version that produced any of its tokens (a conservative staleness bound; carried tokens may predate this
+  worker). One more than --max_staleness versions behind the newest is regenerated from scratch instead (unless
+  draining); its tokens are counted (stale_regen_tokens, sent with the next rollout) as generation thrown away."""
   done = w.slots.finished(active)
   if not done:
     return
-  latest, stale = w.client.latest_version(), []
+  latest, stale, out = w.client.latest_version(), [], []
   for gid in done:
     g = w.slots.release(gid)
-    toks, lps, n, vers = w.engine.rows(g["slots"])
+    toks, lps, n, vers = w.engine.rows(g["slots"])  # host slices of the chunk's one transfer
     tag = min((int(vers[i, :n[i]].min()) for i in range(len(n)) if n[i]), default=w.version)
     if latest - tag > FLAGS.max_staleness and w.drain_deadline is None:
       stale.append(dataclasses.replace(g["item"], partial=None))
+      w.stale_tokens += int(n.sum())
       continue
     w.window.add(tokens=float(n.sum()))
     r = w.window.rates()  # over the last 30 s; waiting for prompts: nothing to decode; for the sender: it fell behind
     stats = dict(w.weights.stats, worker_busy_frac=r.get("decode_s", 0.0), worker_tok_s=r.get("tokens", 0.0),
                  worker_wait_prompts_frac=r.get("wait_prompts_s", 0.0), worker_wait_send_frac=r.get("wait_send_s", 0.0),
-                 resumed_tokens=g["resumed"])  # generated by a preempted worker, continued here
+                 worker_wait_weights_frac=r.get("wait_weights_s", 0.0),
+                 resumed_tokens=g["resumed"], stale_regen_tokens=w.stale_tokens)  # resumed: a preempted worker's
+    w.stale_tokens = 0
+    out.append(data.Rollout(gid, tag, w.wid, g["item"].problem, g["item"].prompt_tokens,
+                            [toks[i, :n[i]].astype(np.int32) for i in range(len(n))],
+                            [lps[i, :n[i]].astype(np.float32) for i in range(len(n))], None, time.time() - g["t0"],
+                            stats))
+  if out:
     t = time.time()
-    sender.submit(data.Rollout(gid, tag, w.wid, g["item"].problem, g["item"].prompt_tokens,
-                               [toks[i, :n[i]].astype(np.int32) for i in range(len(n))],
-                               [lps[i, :n[i]].astype(np.float32) for i in range(len(n))], None, t - g["t0"], stats))
+    sender.submit(out)
     w.window.add(wait_send_s=time.time() - t)
   start_groups(w, stale)  # one batched prefill for all of them
 
 
-def send_group(w, client, tok, pool, r):
-  """The Sender's step: scores a finished group's rollout, puts it, then acks its prompt (only then: a crash in
-  between re-issues the prompt, and the server drops the duplicate rollout by id)."""
+def send_groups(w, client, tok, pool, rs):
+  """The Sender's step, once per chunk: scores the chunk's finished groups in one verifier call, puts them in one
+  request, then acks their prompts in one (only then: a crash in between re-issues the prompts, and the server
+  drops the duplicate rollouts by id). If the batch fails, each group goes alone, so a bad one fails alone."""
   try:
-    rewards = pool.score([r.problem] * len(r.completions), [tok.decode(c.tolist()) for c in r.completions])
-    client.put("rollouts", [dataclasses.replace(r, rewards=np.asarray(rewards, np.float32)).to_wire()])
+    rewards = pool.score([r.problem for r in rs for _ in r.completions],
+                         [tok.decode(c.tolist()) for r in rs for c in r.completions])
+    rs = [dataclasses.replace(r, rewards=np.asarray(rewards[i:i + len(r.completions)], np.float32))
+          for r, i in zip(rs, np.cumsum([0] + [len(r.completions) for r in rs]))]
+    client.put("rollouts", [r.to_wire() for r in rs])
   except Exception as e:
-    return fail_item(client, r.id, e, w.failed)
+    if len(rs) == 1 or isinstance(e, FATAL):
+      return fail_item(client, rs[0].id, e, w.failed)  # (raises if FATAL)
+    for r in rs:
+      send_groups(w, client, tok, pool, [r])
+    return
   w.failed.clear()
-  client.ack("prompts", [r.id])
-  w.sent += 1
-  if w.sent % 20 == 0:
-    logging.info("worker %s v%d: %d groups sent, %.1f tok/s", w.wid, w.version, w.sent, r.stats["worker_tok_s"])
+  client.ack("prompts", [r.id for r in rs])
+  w.sent += len(rs)
+  if w.sent // 20 > (w.sent - len(rs)) // 20:
+    logging.info("worker %s v%d: %d groups sent, %.1f tok/s", w.wid, w.version, w.sent, rs[-1].stats["worker_tok_s"])
 
 
 def hand_back(client, engine, groups):
@@ -602,12 +643,15 @@ def partial_of(fields, G, M, vocab):
   return checked
 
 
+FATAL = (ConnectionError, PermissionError, param_server.StorageError, param_server.QueueFullError)  # not an item's fault
+
+
 def fail_item(client, gid, exc, failures):
   """Reports a prompt this worker could not process (the server re-issues it and quarantines it after its
   --max_failures reports) and moves on. Errors that are not the item's fault (server unreachable, wrong token,
   server disk full) end the worker, and so do --max_failures_in_a_row failures in a row: a broken worker must not
   quarantine the whole dataset."""
-  if isinstance(exc, (ConnectionError, PermissionError, param_server.StorageError, param_server.QueueFullError)):
+  if isinstance(exc, FATAL):
     raise exc
   failures.append(gid)
   if len(failures) > FLAGS.max_failures_in_a_row:
@@ -726,6 +770,7 @@ class Puller:
   def __init__(self, client, pull, version: int, poll_s: float = 1.0):
     self.client, self.pull, self.version, self.poll_s = client, pull, version, poll_s
     self.ready, self.error, self.closed = None, None, False
+    self.newest = version  # the newest version the server announced (being pulled, or ready)
     self.taken = threading.Event()
     self.taken.set()
     self.thread = threading.Thread(target=self._run, daemon=True, name="puller")
@@ -739,6 +784,7 @@ class Puller:
         m = self.client.manifest(newer_than=self.version, wait_s=self.poll_s)  # long poll
         if m is None or self.closed:
           continue
+        self.newest = m["version"]
         new = self.pull(m)
         if new is not None:
           self.version = m["version"]
@@ -805,10 +851,10 @@ def run_eval():
   sc = SamplingConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, max_new, tuple(sorted(tok.stop_ids)))
   enc = {p.id: encode(p) for p in problems}
   n, by_id = FLAGS.k, {p.id: p for p in problems}
-  engine = Engine(cfg, sc, slots=max(FLAGS.slots, n), max_prompt_len=max(map(len, enc.values())))
+  engine = Engine(cfg, sc, slots=max(FLAGS.slots, n), max_prompt_len=max(map(len, enc.values())), seed=FLAGS.seed)
   engine.reset(jax.tree.leaves(params)[0].dtype)
   t0 = time.time()
-  res = generate_groups(engine, params, list(enc.items()), n, FLAGS.seed)
+  res = generate_groups(engine, params, list(enc.items()), n)
   comps = [tok.decode(c.tolist()) for pid in res for c in res[pid][0]]
   probs = [by_id[pid] for pid in res for _ in range(n)]
   with data.VerifierPool(0, strict_math=FLAGS.math_strict) as pool:  # inline: eval scores in this process

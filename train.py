@@ -30,6 +30,7 @@ Run:
   CPU, 2 processes:  add --num_processes=2 --process_id={0,1} --coordinator=127.0.0.1:12355 (launch.sh does this)
   TPU pod:           bash launch.sh v5p-1024  (one trainer process per trainer host; see --dry_run)
 """
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -559,7 +560,7 @@ def curate(collector, stop, metrics):
 # over a step's groups. With the trainer's own wait fraction they say which side to grow (tools/plot.py's balance line,
 # docs/GUIDE.md "Sizing").
 WORKER_STATS = ("pull_bytes", "pull_s", "delta_frac", "worker_busy_frac", "worker_tok_s", "worker_wait_prompts_frac",
-                "worker_wait_send_frac")
+                "worker_wait_send_frac", "worker_wait_weights_frac")
 
 
 def step_record(state, got, collector, trained_version, rewards, lengths, batch, m, times, lr):
@@ -580,6 +581,12 @@ def step_record(state, got, collector, trained_version, rewards, lengths, batch,
     vals = [g.stats[k] for g in groups if k in g.stats]
     if vals:
       rec[k] = float(np.mean(vals))
+  # Generation spent: trained vs thrown away (by reason), and staleness per trained token (its group's tag: the
+  # oldest token's version, an upper bound for the others) as a histogram [tokens at lag 0, 1, ...].
+  ntok = np.asarray([g.n_tokens for g in groups])
+  rec.update(trained_tokens=int(ntok.sum()), dropped_tokens=dict(got.dropped_tokens),
+             staleness_tokens=np.bincount(lag, weights=ntok).astype(int).tolist(), keep_rate=collector.keep_rate(),
+             issued_ahead=collector.ahead(FLAGS.prompts_per_step))
   # Tokens a preempted worker generated and handed back (partial rollouts) that another worker continued.
   rec.update(resumed_tokens=int(sum(g.stats.get("resumed_tokens", 0) for g in groups)),
              workers=len({g.worker for g in groups}),
@@ -1155,6 +1162,9 @@ class Collected:
   zero_var: int = 0
   duplicates: int = 0
   malformed: int = 0
+  # Generation thrown away, in completion tokens: groups dropped here as stale or zero-variance, and groups a worker
+  # regenerated as too stale before sending (the count rides on its next rollout).
+  dropped_tokens: dict = dataclasses.field(default_factory=lambda: dict(stale=0, zero_var=0, worker_stale=0))
 
 
 class Collector:
@@ -1172,6 +1182,7 @@ class Collector:
     self.quarantined = []  # dict(id, reason, failures) per prompt the server quarantined
     self._rated = []  # (prompt id, rewards) of the step being collected: into the tracker once it is trained
     self.evals, self.eval_records = {}, []  # held-out rounds in flight (by id tag); finished rounds' records
+    self.outcomes = collections.deque(maxlen=256)  # recent groups taken: kept (True) or dropped as zero-variance
 
   # -- checkpointed state
   def state_dict(self):
@@ -1192,7 +1203,7 @@ class Collector:
     got = Collected()
     while len(got.groups) < n and not stop.requested:
       self.note_quarantined()
-      self.issue(n * self.prefetch_steps)
+      self.issue(self.ahead(n))
       for it in self.client.get("rollouts", max_items=n - len(got.groups), wait_s=self.wait_s,
                                 lease_s=self.lease_s):
         self._take(it, version, got)
@@ -1242,14 +1253,19 @@ class Collector:
       except ValueError:
         logging.error("rollout %r: its prompt fields are unreadable too; the prompt is not re-issued", rid)
       return
+    got.dropped_tokens["worker_stale"] += int(r.stats.get("stale_regen_tokens", 0))
     if version - r.version > self.max_staleness:
       got.stale += 1  # too old to train on: re-issue the prompt under a fresh id
+      got.dropped_tokens["stale"] += r.n_tokens
       got.skipped.append(rid)
       self._reissue(rid, r.prompt_item(rid, self.group_size))
       return
     self._rated.append((r.problem.id, r.rewards))  # counted once the step is done
-    if self.dynamic_sampling and not data.group_has_signal(r.rewards):
+    keep = not self.dynamic_sampling or data.group_has_signal(r.rewards)
+    self.outcomes.append(keep)
+    if not keep:
       got.zero_var += 1
+      got.dropped_tokens["zero_var"] += r.n_tokens
       got.skipped.append(rid)
       return
     got.groups.append(r)
@@ -1258,6 +1274,17 @@ class Collector:
     self.client.put("prompts", [dataclasses.replace(item, id=rid + "r").to_wire()])
     self.issued += 1
     self.ledger.reissued += 1
+
+  def keep_rate(self):
+    """The fraction of recent groups dynamic sampling kept (1 without it), at least 0.1: issuing is bounded."""
+    return max(sum(self.outcomes) / len(self.outcomes), 0.1) if self.outcomes else 1.0
+
+  def ahead(self, n):
+    """Pacing: prompts to keep issued and not consumed, n kept groups per step. Enough for --prefetch_steps steps
+    at the measured keep rate (so dropped groups do not starve the workers), but no more steps than
+    --max_staleness allows (at least the current one): a prompt consumed later would be trained stale, or thrown
+    away, so the fleet never generates what the staleness bound would discard."""
+    return math.ceil(max(1, min(self.prefetch_steps, self.max_staleness)) * n / self.keep_rate())
 
   def issue(self, target):
     """Keeps `target` prompts issued and not yet consumed."""

@@ -82,13 +82,13 @@ def worker_rollouts(cfg, params, items, *, group_size, sc, dtype, mesh=None, att
   sharded over `mesh` and the engine runs under it (tensor-parallel inference)."""
   max_prompt = max(len(t) for _, t in items)
   eng = rollout.Engine(cfg, sc, slots=max(2 * group_size, 16), max_prompt_len=max_prompt, chunk_steps=8,
-                       attn_impl=attn_impl)
+                       attn_impl=attn_impl, seed=seed)
   wp = jax.tree.map(jnp.asarray, _host(params, dtype))
   with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
     if mesh is not None:
       wp = model.shard_params(wp, cfg, mesh)
     eng.reset(dtype)
-    res = rollout.generate_groups(eng, wp, items, group_size, seed)
+    res = rollout.generate_groups(eng, wp, items, group_size)
   return [data.Rollout(id=pid, version=0, worker="bench", problem=data.Problem(pid, "", ""),
                        prompt_tokens=np.asarray(toks, np.int32), completions=list(res[pid][0]),
                        logprobs=list(res[pid][1]), rewards=np.zeros(group_size, np.float32)) for pid, toks in items]

@@ -57,10 +57,10 @@ def scenario(workdir, *, d_model=128, n_layers=2, max_new_tokens=256, temperatur
 
   # The reference: every group generated uninterrupted by one engine, same weights, keys (prompt ids) and seed.
   sc = rollout.SamplingConfig(temperature, 0, 1.0, max_new_tokens, tuple(sorted(tok.stop_ids)))
-  eng = rollout.Engine(cfg, sc, slots, 32, chunk_steps)
+  eng = rollout.Engine(cfg, sc, slots, 32, chunk_steps, seed=seed)
   eng.reset(jax.numpy.float32)
   run_ref = lambda: rollout.generate_groups(  # noqa: E731
-      eng, params, [(it["id"], it["prompt_tokens"]) for it in items], group_size, seed)
+      eng, params, [(it["id"], it["prompt_tokens"]) for it in items], group_size)
   ref = run_ref()  # compiles
   t = time.time()
   run_ref()

@@ -70,7 +70,7 @@ def answer(c, how=None):
   seen = []
   for it in c.get("prompts", 100):
     h = (how or {}).get(it["id"].split(".")[-1] if it["id"].startswith("c") else it["id"], {})  # curation: c<tag>.<i>
-    w = wire_rollout(it, h.get("version", 0), h.get("rewards", (1.0, 0.0)))
+    w = dict(wire_rollout(it, h.get("version", 0), h.get("rewards", (1.0, 0.0))), **h.get("stats", {}))
     if h.get("malformed"):
       del w["rewards"]
     if h.get("nan_logprob"):  # one bad worker chip
@@ -114,13 +114,21 @@ def test_collect_skips_zero_variance_stale_and_malformed_and_acks_only_after_the
   c, col = collector(server)
   col.issue(6)
   items = answer(c, {"s1": dict(rewards=(1.0, 1.0)), "s2": dict(version=-5), "s3": dict(malformed=True),
-                     "s4": dict(nan_logprob=True)})
+                     "s4": dict(nan_logprob=True), "s5": dict(stats=dict(stale_regen_tokens=7))})
   assert [it.id for it in items] == ["s0", "s1", "s2", "s3", "s4", "s5"] and items[0].group_size == 2
   assert items[0].prompt_tokens.tolist() == [2] + [4 + ord(ch) % 20 for ch in items[0].problem.prompt]
   got = col.collect(2, 0, Stop())
   assert [g.id for g in got.groups] == ["s0", "s5"] and got.skipped == ["s1", "s2", "s3", "s4"]
   assert (got.zero_var, got.stale, got.malformed, got.duplicates) == (1, 1, 2, 0)
   assert got.groups[0].stats == dict(worker_tok_s=10.0) and got.groups[0].worker == "w0"
+  # Generation thrown away, in tokens (2 completions of 2 tokens per group; s5's worker regenerated 7 as stale),
+  # and the pacing it drives: 2 of the 3 groups rated were kept, so a step's 2 kept groups need 3 prompts, and
+  # --max_staleness=1 allows one step ahead of the current one; with a bound of 4, --prefetch_steps=2 steps.
+  assert got.dropped_tokens == dict(stale=4, zero_var=4, worker_stale=7)
+  assert col.keep_rate() == pytest.approx(2 / 3) and col.ahead(2) == 3
+  col.max_staleness = 4
+  assert col.ahead(2) == 6
+  col.max_staleness = 1
   # The stale and the malformed rollout's prompts went out again, same prompt, new ids.
   again = {it["id"]: it for it in c.get("prompts", 100) if it["id"].endswith("r")}
   assert sorted(again) == ["s2r", "s3r", "s4r"]  # the NaN rollout's prompt too: nothing lost

@@ -34,7 +34,7 @@ def _items(n):
 def _run(params, sc, items, G=3, slots=8, chunk=4):
   eng = rollout.Engine(CFG, sc, slots=slots, max_prompt_len=12, chunk_steps=chunk)
   eng.reset(jnp.float32)
-  return rollout.generate_groups(eng, params, items, G, seed=0)
+  return rollout.generate_groups(eng, params, items, G)
 
 
 def test_behaviour_logprobs_match_full_forward(params):
@@ -265,8 +265,8 @@ def test_batched_insert_equals_one_prompt_at_a_time(params):
   slots' writes dropped): groups of different sizes and prompt lengths decode exactly as when each prompt is
   inserted alone, and the slots the batch does not name stay untouched."""
   sc = rollout.SamplingConfig(1.0, 0, 1.0, 6, ())
-  groups = [([0, 1, 2], [5, 6, 7, 8, 9, 10, 11, 12, 13], rollout.group_keys(0, "a", 3)),  # 9 tokens: bucket 12
-            ([4, 6], [7, 8], rollout.group_keys(0, "b", 2))]  # 5 slots in all, padded to 8
+  groups = [([0, 1, 2], [5, 6, 7, 8, 9, 10, 11, 12, 13], rollout.sample_ids("a", 3)),  # 9 tokens: bucket 12
+            ([4, 6], [7, 8], rollout.sample_ids("b", 2))]  # 5 slots in all, padded to 8
 
   def run(batches):
     eng = rollout.Engine(CFG, sc, slots=8, max_prompt_len=12, chunk_steps=3)
@@ -293,7 +293,7 @@ def test_a_continued_sample_equals_one_uninterrupted_run(params, temperature):
   The tokens equal one uninterrupted run's (greedy and sampled: same per-step keys), log-probs within the fp32
   alignment tolerance, and each token keeps the version that produced it. A sample that was done stays done."""
   sc = rollout.SamplingConfig(temperature, 0, 1.0, 9, ())
-  prompt, keys = [5, 6, 7, 8, 9], rollout.group_keys(0, "a", 3)
+  prompt, keys = [5, 6, 7, 8, 9], rollout.sample_ids("a", 3)
 
   def engine():
     eng = rollout.Engine(CFG, sc, slots=8, max_prompt_len=12, chunk_steps=3)
@@ -391,4 +391,4 @@ def test_a_prompt_longer_than_max_prompt_len_is_refused_though_continuations_may
   assert eng.buckets == (12, 16, 18) and eng.bucket(11) == 12 and eng.bucket(17) == 18  # fresh prompts: <= 12
   eng.reset(jnp.float32)
   with pytest.raises(ValueError, match="'long' of 13 tokens exceeds max_prompt_len=12"):
-    rollout.generate_groups(eng, params, [("long", list(range(3, 16)))], 2, seed=0)
+    rollout.generate_groups(eng, params, [("long", list(range(3, 16)))], 2)

@@ -227,7 +227,10 @@ def test_demo_chaos_preempts_a_worker_and_the_trainer_and_the_run_completes_exac
   recs = plot.final_records(plot.read_jsonl(os.path.join(run, "metrics.jsonl")))
   assert all(0 <= r["trainer_wait_frac"] <= 1 and 0 < r["worker_busy_frac"] <= 1 and r["worker_tok_s"] > 0
              and r["workers"] >= 1 and r["resumed_tokens"] >= 0 for r in recs), recs[-1]
-  assert "balance (median of" in out, out[-2000:]
+  assert "balance (median of" in out and "generation discarded per trained token" in out, out[-2000:]
+  # Generation accounting: every trained token is in the staleness histogram, within the bound (--max_staleness 4).
+  assert all(sum(r["staleness_tokens"]) == r["trained_tokens"] > 0 and len(r["staleness_tokens"]) <= 5
+             and set(r["dropped_tokens"]) == {"stale", "zero_var", "worker_stale"} for r in recs), recs[-1]
 
 
 def check_exactly_once(run, steps):
