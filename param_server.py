@@ -18,7 +18,7 @@ connection with AUTH; until then each request is refused and one announcing a pa
   FETCH     sub-slices of staged pieces, cut by the server (only the needed bytes travel), crc-checked; a piece
             whose crc is not the requested one (replaced or collected) is refused
   DELTA     FETCH for a reader holding version `base`: per piece delta_encode's encoding of what changed (or the
-            full bytes) and the crc of the RESULT, which the reader checks. Only against the previous version
+            full bytes) and its crc (pcrc); the RESULT's crc too. Only against the previous version
             staged here; built once per (piece, sub-slice, base) for the whole fleet and cached beside its
             version (gone with it, never more than its own bytes)
   PUT, GET, ACK, REQUEUE, FAIL: the leased queues (see Client); STATS; AUTH
@@ -404,29 +404,37 @@ def _inflate(payload, limit):
   return np.frombuffer(y, np.uint8)
 
 
-def delta_apply(enc, payload, base, itemsize):
-  """Applies delta_encode's (enc, payload) in place to `base` (a writable contiguous array holding the old
-  bytes). Raises ValueError on a payload that cannot be the delta of base (the caller also checks the crc)."""
+def delta_decode(enc, payload, n, itemsize):
+  """delta_encode's (enc, payload) for a slice of n elements of `itemsize` bytes, as a patch (kind, a, pos):
+  ("set", the new elements, None), ("xor", [n] XOR of every element, None) or ("sparse", XOR of the changed
+  elements, their positions). Raises ValueError on a payload that cannot be the delta of such a slice."""
   if enc not in ("full", "sparse_zlib", "xor_zlib") or itemsize not in _UINT:
-    raise ValueError(f"delta_apply: unknown encoding {enc!r} or itemsize {itemsize}")
-  b = base.reshape(-1).view(np.uint8).view(_UINT[itemsize])
-  if enc == "full":
-    if len(payload) != base.nbytes:
-      raise ValueError(f"delta_apply: full payload of {len(payload)} bytes for a {base.nbytes}-byte slice")
-    b[...] = np.frombuffer(payload, b.dtype)
-  elif enc == "sparse_zlib":
-    y = _inflate(payload, b.size * (4 + itemsize))
-    k, r = divmod(y.size, 4 + itemsize)
-    pos = np.cumsum(np.ascontiguousarray(y[:4 * k].reshape(4, k).T).view("<u4").reshape(-1), dtype=np.int64)
-    if r or (k and pos[-1] >= b.size):
-      raise ValueError(f"delta_apply: sparse payload of {y.size} bytes does not fit {b.size} elements")
-    b[pos] ^= np.ascontiguousarray(y[4 * k:].reshape(itemsize, k).T).view(b.dtype).reshape(-1)
+    raise ValueError(f"delta_decode: unknown encoding {enc!r} or itemsize {itemsize}")
+  u = _UINT[itemsize]
+  if enc != "sparse_zlib":
+    kind, y = ("set", np.frombuffer(payload, np.uint8)) if enc == "full" else ("xor", _inflate(payload, n * itemsize))
+    if y.size != n * itemsize:
+      raise ValueError(f"delta_decode: {kind} payload of {y.size} bytes for a {n * itemsize}-byte slice")
+    return kind, y.view(u), None
+  y = _inflate(payload, n * (4 + itemsize))
+  k, r = divmod(y.size, 4 + itemsize)
+  pos = np.cumsum(np.ascontiguousarray(y[:4 * k].reshape(4, k).T).view("<u4").reshape(-1), dtype=np.int64)
+  if r or (k and pos[-1] >= n):
+    raise ValueError(f"delta_decode: sparse payload of {y.size} bytes does not fit {n} elements")
+  return "sparse", np.ascontiguousarray(y[4 * k:].reshape(itemsize, k).T).view(u).reshape(-1), pos
+
+
+def apply_patch(buf, dest, kind, a, pos):
+  """The host reference of a patch (pull_slices): buf[dest] (a numpy array, its region `dest`) takes the new
+  elements (set) or is XORed with a (xor, or sparse at the region's C-order positions pos), bit for bit."""
+  region = np.ascontiguousarray(buf[dest])
+  u = region.reshape(-1).view(_UINT[region.dtype.itemsize])
+  if kind == "set":
+    u[...] = a
   else:
-    y = _inflate(payload, base.nbytes)
-    if y.size != base.nbytes:
-      raise ValueError(f"delta_apply: xor payload expands to {y.size} bytes, slice has {base.nbytes}")
-    b ^= y.view(b.dtype)
-  return base
+    u[slice(None) if pos is None else pos] ^= a
+  buf[dest] = region
+  return buf
 
 
 # ----------------------------------------------------------------------------------------------- reassembly
@@ -456,19 +464,17 @@ def check_manifest(m):
 
 
 def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None, token=None):
-  """Reassembles the version `manifest` describes on the host: yields (name, {slice: np.ndarray}) for each tensor of
-  wanted = {name: [global slice ((start, stop), ...)]}, one tensor at a time (so one tensor's host buffers are
-  alive at once), fetching from the servers that hold its pieces in parallel. clients: {"host:port": Client},
-  filled on demand.
-
-  Delta sync: base = the manifest of an older version the reader holds, held(name, slices) -> {slice: writable host
-  copy of base's bytes} for the slices it has. Those come as DELTAs, applied in place; the RESULT's crc must equal
-  the new version's, so a wrong or corrupted base or a lost delta never goes unnoticed: such a piece, like one the
-  server has no base for (the reader skipped a version, or the server restarted), is fetched in full.
-  stats (a dict) gets bytes (what crossed the wire), full_bytes (what a full pull moves), changed_bytes over
-  covered_bytes (the pieces that came as deltas), pieces by encoding, and fallbacks (crc mismatches refetched).
-  A malformed manifest raises ValueError (check_manifest), like any failed pull. token: for new clients.
-  """
+  """Fetches the version `manifest` describes, one tensor of wanted = {name: [global slice ((start, stop), ...)]}
+  at a time, from the servers holding its pieces in parallel: yields (name, bufs {slice: host array}, patches
+  {slice: [(dest, kind, a, pos)]}). clients: {"host:port": Client}, filled on demand; token: for new ones.
+  Delta sync: base = the manifest of an older version the reader holds, held(name, slices) -> the slices it holds;
+  those come as patches (delta_decode's, or "set" for a piece sent in full; dest: the region of the slice) for the
+  reader to apply where they live (rollout.patch on the device; apply_patch: the host reference). A payload with
+  a bad crc (pcrc) or encoding is fetched in full, as is a piece the server has no base for (a skipped version, a
+  restarted server). The server deltas against its own copy of the version the reader names (base_crc): the
+  result is as right as the reader's base, and nothing reassembles it to check. stats gets bytes (on the wire),
+  full_bytes (a full pull's), changed_bytes / covered_bytes (of the delta pieces), pieces by encoding, fallbacks.
+  A malformed manifest raises ValueError (check_manifest), like any failed pull."""
   check_manifest(manifest)
   version = manifest["version"]
   if base is not None and base["version"] >= version:
@@ -480,11 +486,12 @@ def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None, tok
     for name, slices in wanted.items():
       t = manifest["tensors"][name]
       dt = _np_dtype(t["dtype"])
-      old = held(name, list(slices)) if base is not None else {}
-      bufs = {w: old[w] if w in old else np.empty([b - a for a, b in w], dt) for w in slices}
+      old = set(held(name, list(slices))) if base is not None else set()
+      bufs = {w: np.empty([b - a for a, b in w], dt) for w in slices if w not in old}
+      patches = {w: [] for w in slices if w in old}
       base_crc = {json.dumps(p["index"]): p["crc"] for p in base["tensors"][name]["pieces"]} if old else {}
       jobs = {}  # server -> [(fetch request, (slice, destination within its buffer))]
-      for w in bufs:
+      for w in slices:
         covered = 0
         for p in t["pieces"]:
           both = [(max(a, pa), min(b, pb)) for (a, b), (pa, pb) in zip(w, p["index"])]  # the overlap
@@ -497,27 +504,35 @@ def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None, tok
             req["base_crc"] = base_crc[json.dumps(p["index"])]
           jobs.setdefault(p["server"], []).append((req, (w, dest)))
           covered += math.prod(h - l for l, h in both)
-        if covered != bufs[w].size:
-          raise ValueError(f"manifest v{version}: pieces of {name!r} cover {covered} of the {bufs[w].size} "
-                           f"elements of slice {w}")
-      while jobs:  # a second pass fetches in full the pieces whose delta did not rebuild the new bytes
+        if covered != math.prod(b - a for a, b in w):
+          raise ValueError(f"manifest v{version}: pieces of {name!r} cover {covered} of the "
+                           f"{math.prod(b - a for a, b in w)} elements of slice {w}")
+      while jobs:  # a second pass fetches in full the pieces whose delta payload was bad
         again = {}  # server -> such jobs, without their base_crc
         for k, full, got in pool.map(lambda k: (k, *_get(conns[k], version, base, jobs[k])), list(jobs)):
           for (_, (w, dest)), a in full:
-            bufs[w][dest] = a
+            if w in bufs:
+              bufs[w][dest] = a
+            else:
+              patches[w].append((dest, "set", a.reshape(-1).view(_UINT[dt.itemsize]), None))
             st["bytes"] += a.nbytes
           for (req, (w, dest)), r in got:
             st["bytes"] += len(r["data"])
             st["pieces"][r["enc"]] = st["pieces"].get(r["enc"], 0) + 1
+            n = math.prod(d.stop - d.start for d in dest)
             if r["changed"] >= 0:
               st["changed_bytes"] += r["changed"] * dt.itemsize
-              st["covered_bytes"] += bufs[w][dest].nbytes
-            if not _apply(r, bufs[w], dest):
+              st["covered_bytes"] += n * dt.itemsize
+            try:
+              if zlib.crc32(r["data"]) != r.get("pcrc"):
+                raise ValueError(f"delta payload of {name!r} {req['index']}: crc mismatch")
+              patches[w].append((dest, *delta_decode(r["enc"], r["data"], n, dt.itemsize)))
+            except ValueError:
               st["fallbacks"] += 1
               again.setdefault(k, []).append(({kk: v for kk, v in req.items() if kk != "base_crc"}, (w, dest)))
         jobs = again
-      st["full_bytes"] += sum(b.nbytes for b in bufs.values())
-      yield name, bufs
+      st["full_bytes"] += sum(math.prod(b - a for a, b in w) for w in slices) * dt.itemsize
+      yield name, bufs, patches
 
 
 def _get(conn, version, base, jobs):
@@ -526,19 +541,6 @@ def _get(conn, version, base, jobs):
   delta = [j for j in jobs if "base_crc" in j[0]]
   return (list(zip(plain, conn.fetch(version, [r for r, _ in plain]))) if plain else [],
           list(zip(delta, conn.delta(version, base["version"], [r for r, _ in delta]))) if delta else [])
-
-
-def _apply(r, buf, dest):
-  """Rebuilds buf[dest] from a delta reply in place (on a contiguous copy if the region is not contiguous);
-  True if the result's crc is the new version's."""
-  cur = np.ascontiguousarray(buf[dest])
-  try:
-    delta_apply(r["enc"], r["data"], cur, cur.dtype.itemsize)
-  except ValueError:
-    return False
-  if not np.may_share_memory(cur, buf):
-    buf[dest] = cur
-  return zlib.crc32(cur.reshape(-1).view(np.uint8)) == r["crc"]
 
 
 # ----------------------------------------------------------------------------------------------- server
@@ -763,7 +765,7 @@ class _Weights:
     for w, got, old, once, ck, part in found:
       crc = _crc(got, part)
       if old is None:
-        enc, data, changed = "full", part, -1
+        enc, data, changed, pcrc = "full", part, -1, crc
       else:
         def build(got=got, old=old, w=w, part=part, ck=ck):  # the one place a sub-slice is copied whole
           new, prev = (np.ascontiguousarray(v).reshape(-1) for v in (part, _cut(base, old, w.get("sub"))[0]))
@@ -776,10 +778,10 @@ class _Weights:
               st["deltas"].pop(ck, None)
             elif data is not None:
               st["delta_bytes"] += len(data)
-          return enc, data, changed
-        enc, data, changed = once.get(build)
-        data = part if enc == "full" else data
-      pieces.append(dict(enc=enc, nbytes=memoryview(data).nbytes, crc=crc, changed=changed))
+          return enc, data, changed, None if data is None else zlib.crc32(data)
+        enc, data, changed, pcrc = once.get(build)
+        data, pcrc = (part, crc) if enc == "full" else (data, pcrc)
+      pieces.append(dict(enc=enc, nbytes=memoryview(data).nbytes, crc=crc, changed=changed, pcrc=pcrc))
       parts.append(data)
     return {"version": version, "base": base, "pieces": pieces}, parts
 
@@ -1717,16 +1719,16 @@ class Client:
 
   def delta(self, version: int, base: int, pieces) -> list:
     """FETCH for a reader that holds version `base`: pieces = [{name, index, crc, sub, base_crc}] (base_crc: the
-    crc the base's manifest gives the piece at the same index). Returns per piece {"enc", "crc", "changed",
-    "data"}: delta_apply(enc, data, <the reader's copy of that sub-slice of base>, itemsize), then the caller
-    MUST check zlib.crc32 of the result == crc (the new version's bytes), which catches a wrong base too.
+    crc the base's manifest gives the piece at the same index). Returns per piece {"enc", "crc", "pcrc",
+    "changed", "data"}: the caller checks zlib.crc32(data) == pcrc, then applies delta_decode(enc, data, ...) to
+    its copy of that sub-slice of base (crc: the result's, for a reader that can check it cheaply).
     enc "full": data = the new bytes. Raises ValueError like fetch if the server no longer holds `version`."""
     h, buf = self._request(DELTA, {"version": int(version), "base": int(base), "pieces": list(pieces)})
     sizes = [p.get("nbytes") for p in h.get("pieces", [])]
     if len(sizes) != len(pieces) or not all(isinstance(n, int) and n >= 0 for n in sizes) or sum(sizes) != len(buf):
       raise ProtocolError(f"delta reply: piece sizes {sizes[:8]} do not add up to the {len(buf)}-byte payload")
     mv = memoryview(buf)
-    return [dict(enc=p["enc"], crc=p["crc"], changed=p["changed"], data=mv[end - n:end])
+    return [dict(enc=p["enc"], crc=p["crc"], pcrc=p.get("pcrc"), changed=p["changed"], data=mv[end - n:end])
             for p, n, end in zip(h["pieces"], sizes, itertools.accumulate(sizes))]
 
   def stats(self) -> dict:

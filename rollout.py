@@ -406,7 +406,7 @@ def run_worker():
         t = time.time()
         active = w.engine.run_chunk(w.params, w.version)
         w.window.add(decode_s=time.time() - t)
-        finish_groups(w, active, sender)
+        finish_groups(w, active, sender, puller.newest)
   finally:
     puller.close()
   sender.close()  # everything finished is scored and sent before the prompts in flight are handed back
@@ -529,15 +529,16 @@ def start_groups(w, items):
     w.slots.groups[it.id].update(item=it, t0=time.time(), resumed=sum(len(t) for t in part[0]) if part else 0)
 
 
-def finish_groups(w, active, sender):
+def finish_groups(w, active, sender, latest):
   """Hands the groups whose slots all finished in this chunk to the Sender as one job, each tagged with the oldest
   version that produced any of its tokens (a conservative staleness bound; carried tokens may predate this
   worker). One more than --max_staleness versions behind the newest is regenerated from scratch instead (unless
-  draining); its tokens are counted (stale_regen_tokens, sent with the next rollout) as generation thrown away."""
+  draining); its tokens are counted (stale_regen_tokens, sent with the next rollout) as generation thrown away.
+  latest: the newest version the Puller's long poll has seen (no request on the decode loop's thread)."""
   done = w.slots.finished(active)
   if not done:
     return
-  latest, stale, out = w.client.latest_version(), [], []
+  stale, out = [], []
   for gid in done:
     g = w.slots.release(gid)
     toks, lps, n, vers = w.engine.rows(g["slots"])  # host slices of the chunk's one transfer
@@ -720,12 +721,12 @@ class Sender:
 
 def pull_weights(manifest, shardings, clients, base=None, stats=None, token=None):
   """The manifest's weights placed with `shardings` (a pytree of Shardings, same structure as the published
-  tree): only the distinct slices this process's devices hold, reassembled on the host by
-  param_server.pull_slices. clients: dict "host:port" -> Client, filled on demand. Returns (pytree of jax.Array,
-  bytes pulled). base=(manifest, params) the reader holds now (what an earlier pull returned with the same
-  shardings): each slice it holds comes as a delta against a host copy of it (see pull_slices, which also says
-  what `stats` gets). token: for the clients it opens. A malformed manifest raises ValueError, like a failed pull.
-  """
+  tree): only the distinct slices this process's devices hold (param_server.pull_slices). clients: dict
+  "host:port" -> Client, filled on demand. Returns (pytree of jax.Array, bytes pulled). base=(manifest, params)
+  the reader holds now (what an earlier pull returned with the same shardings): each slice it holds comes as a
+  delta, applied on each device that holds the slice (patch), so a pull moves and touches only what changed,
+  never a host copy of the model; pull_slices says what `stats` gets. token: for the clients it opens. A malformed
+  manifest raises ValueError, like a failed pull."""
   param_server.check_manifest(manifest)
   sh = param_server.flatten(shardings)
   if set(sh) != set(manifest["tensors"]):
@@ -736,29 +737,48 @@ def pull_weights(manifest, shardings, clients, base=None, stats=None, token=None
   for name, t in manifest["tensors"].items():
     for d, idx in sh[name].addressable_devices_indices_map(tuple(t["shape"])).items():
       wanted.setdefault(name, {}).setdefault(tuple(map(tuple, param_server.slice_index(idx, t["shape"]))), []).append(d)
+  shards = {name: {(tuple(map(tuple, param_server.slice_index(s.index, x.shape))), s.device): s.data
+                   for s in x.addressable_shards} for name, x in held.items()
+            if name in base[0]["tensors"] and tuple(x.shape) == tuple(manifest["tensors"][name]["shape"])
+            and base[0]["tensors"][name]["dtype"] == manifest["tensors"][name]["dtype"]}
   st, out = {}, {}
-  for name, bufs in param_server.pull_slices(
+  for name, bufs, patches in param_server.pull_slices(
       manifest, wanted, clients, base=base and base[0], stats=st, token=token,
-      held=lambda name, slices: _held_slices(base, name, manifest["tensors"][name], held, slices)):
+      held=lambda name, slices: [w for w in slices if all((w, d) in shards.get(name, {}) for d in wanted[name][w])]):
     out[name] = jax.make_array_from_single_device_arrays(
         tuple(manifest["tensors"][name]["shape"]), sh[name],
-        [jax.device_put(bufs[w], d) for w, ds in wanted[name].items() for d in ds])
+        [functools.reduce(patch, patches[w], shards[name][w, d]) if w in patches else jax.device_put(bufs[w], d)
+         for w, ds in wanted[name].items() for d in ds])
   if stats is not None:
     stats.update(st)
   return param_server.unflatten(out), st["bytes"]
 
 
-def _held_slices(base, name, t, held, wanted):
-  """{slice: writable host copy of the base's bytes for it} for the wanted slices a delta can apply to: the base
-  holds the tensor with the same dtype and shape, and one of its local shards is exactly that slice."""
-  if name not in held or name not in base[0]["tensors"]:
-    return {}
-  bt, x = base[0]["tensors"][name], held[name]
-  if (bt["dtype"], bt["shape"]) != (t["dtype"], t["shape"]) or tuple(x.shape) != tuple(t["shape"]):
-    return {}
-  shards = {tuple(map(tuple, param_server.slice_index(s.index, x.shape))): s for s in x.addressable_shards}
-  # A copy: a device array may alias host memory (CPU), and the pull must not change the weights in use.
-  return {w: np.array(shards[w].data, copy=True) for w in wanted if w in shards}
+def patch(x, p):
+  """x (a device array: one slice of a weight) with one pull_slices patch (dest, kind, a, pos) applied, as a new
+  array on x's device (x stays: it is the version in use): only the patch's elements cross to the device."""
+  dest, kind, a, pos = p
+  dest = tuple((d.start, d.stop) for d in dest)
+  if kind == "sparse":  # region positions -> positions in x, padded to a power of two (few compiled shapes)
+    shape = [hi - lo for lo, hi in dest]
+    pos = np.ravel_multi_index(tuple(i + lo for i, (lo, _) in zip(np.unravel_index(pos, shape), dest)), x.shape)
+    n = 1 << max(len(pos) - 1, 0).bit_length()
+    pos, a = np.pad(pos, (0, n - len(pos)), constant_values=x.size), np.pad(a, (0, n - len(a)))
+  return _patch(x, a, pos, dest=dest, kind=kind)
+
+
+@functools.partial(jax.jit, static_argnames=("dest", "kind"))
+def _patch(x, a, pos, *, dest, kind):
+  # Bitwise, as the server encoded it: the weights' bits viewed as unsigned ints of the same width.
+  u = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+  region = tuple(slice(lo, hi) for lo, hi in dest)
+  if kind == "sparse":  # padding positions are out of range: their writes are dropped
+    flat = u.reshape(-1)
+    u = flat.at[pos].set(flat.at[pos].get(mode="fill", fill_value=0) ^ a, mode="drop").reshape(u.shape)
+  else:
+    new = a.reshape(u[region].shape)
+    u = u.at[region].set(new if kind == "set" else u[region] ^ new)
+  return jax.lax.bitcast_convert_type(u, x.dtype)
 
 
 class Puller:
@@ -821,12 +841,13 @@ class Weights:
     meanwhile (a newer version exists) or a shard server is down (the trainer re-publishes to its replacement)."""
     t, st = time.time(), {}
     try:
-      params = pull_weights(m, self.shardings, self.clients, base=self.held, stats=st, token=self.token)[0]
+      params = jax.block_until_ready(  # (pull_s: the patches and copies done, not only dispatched)
+          pull_weights(m, self.shardings, self.clients, base=self.held, stats=st, token=self.token)[0])
     except (ValueError, ConnectionError) as e:
       logging.warning("worker %s: pull of v%d failed (%s); retrying with the next manifest", self.wid, m["version"], e)
       return None
     self.held = (m, params)
-    # delta_frac: bytes moved / bytes a full pull moves (1.0 for a full pull); fallbacks: result crc mismatches.
+    # delta_frac: bytes moved / bytes a full pull moves (1.0 for a full pull); fallbacks: bad delta payloads.
     self.stats.update(pull_bytes=st["bytes"], pull_s=time.time() - t, delta_frac=st["bytes"] / max(st["full_bytes"], 1),
                       pull_fallbacks=st["fallbacks"])
     logging.info("worker %s: pulled v%d: %s", self.wid, m["version"], {k: round(v, 4) for k, v in self.stats.items()})

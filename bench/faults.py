@@ -269,7 +269,7 @@ def hostile_load(n_conns=1000, reps=20, size_mb=4.0, workdir=None, max_clients=N
 
   def fetch(newer_than):  # what a worker does (rollout.pull_weights without the device copies)
     m = worker.manifest(newer_than=newer_than)
-    return m["version"], dict(ps.pull_slices(m, {"w": [((0, elems),)]}, clients))
+    return m["version"], {name: bufs for name, bufs, _ in ps.pull_slices(m, {"w": [((0, elems),)]}, clients)}
 
   publish(0)
 

@@ -71,13 +71,15 @@ c, clients = ps.connect(addr, token=%r), {}
 m0 = c.manifest(wait_s=60)
 want = {k: [tuple((0, d) for d in t["shape"])] for k, t in m0["tensors"].items()}
 t0 = time.time(); st = {}
-held = {name: bufs for name, bufs in ps.pull_slices(m0, want, clients, stats=st, token=%r)}
+held = {name: bufs for name, bufs, _ in ps.pull_slices(m0, want, clients, stats=st, token=%r)}
 r = dict(full_start=t0, full_end=time.time(), full_bytes=st["bytes"])
 open(out + ".held", "w").close()
 m1 = c.manifest(newer_than=0, wait_s=120)
 t1 = time.time(); st = {}
-for name, bufs in ps.pull_slices(m1, want, clients, base=m0, held=lambda n, s: held[n], stats=st, token=%r):
-  pass
+for name, _, patches in ps.pull_slices(m1, want, clients, base=m0, held=lambda n, s: s, stats=st, token=%r):
+  for w, ps_ in patches.items():  # applied on the host here (the worker applies them on its devices)
+    for p in ps_:
+      ps.apply_patch(held[name][w], *p)
 r.update(delta_start=t1, delta_end=time.time(), delta_bytes=st["bytes"], delta_full_bytes=st["full_bytes"])
 json.dump(r, open(out, "w"))
 """ % (TOKEN, TOKEN, TOKEN)

@@ -1,6 +1,6 @@
 """Delta weight sync (issue 18): a reader holding version v pulls only what changed (param_server DELTA,
-rollout.pull_weights(base=...)); its weights stay bit-identical to the published ones through skipped versions, a
-server restart and a corrupted base."""
+rollout.pull_weights(base=...)), applied as patches on the devices that hold the slices; its weights stay
+bit-identical to the published ones through skipped versions, a server restart and a payload damaged in transit."""
 import zlib
 
 import ml_dtypes
@@ -100,20 +100,47 @@ def test_delta_pulls_stay_bit_identical_through_a_skipped_version_and_a_server_r
   assert 0 < s["cached_bytes"] <= sum(x.nbytes for x in trainer.published.values())
 
 
-def test_corrupted_base_is_caught_by_the_result_crc_and_pulled_in_full(server):
+def test_a_delta_payload_damaged_in_transit_is_caught_by_its_crc_and_pulled_in_full(server, monkeypatch):
   trainer = Trainer(ps.Client("127.0.0.1", server[0].port, token="t"))
   reader, sh = ps.Client("127.0.0.1", server[0].port, token="t"), _reader_shardings()
   trainer.step_and_publish()
   m0 = reader.manifest()
   params, _ = rollout.pull_weights(m0, sh, {}, token="t")
-  w = np.asarray(params["w"]).copy()
-  w.view(np.uint16)[5, 3] ^= 1  # one flipped bit in the worker's copy of v0 (a bad host, a lost delta, ...)
-  bad = dict(params, w=jax.device_put(w, sh["w"]))
   trainer.step_and_publish()
+  real, done = ps.Client.delta, []
+
+  def flip_one(self, *a, **kw):  # one bit of the first compressed payload flips on the way
+    out = real(self, *a, **kw)
+    r = next((r for r in out if r["enc"] != "full"), None)
+    if r is not None and not done:
+      r["data"] = bytes([r["data"][0] ^ 1]) + bytes(r["data"][1:])
+      done.append(r)
+    return out
+  monkeypatch.setattr(ps.Client, "delta", flip_one)
   st = {}
-  got, _ = rollout.pull_weights(reader.manifest(), sh, {}, base=(m0, bad), stats=st, token="t")
-  assert st["fallbacks"] == 1  # exactly the piece holding [5, 3], for the device slice holding it
+  got, _ = rollout.pull_weights(reader.manifest(), sh, {}, base=(m0, params), stats=st, token="t")
+  assert done and st["fallbacks"] == 1  # exactly that piece, fetched again in full
   assert _same(got, trainer.published)
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+def test_a_patch_on_the_device_equals_the_host_reference(dtype):
+  """rollout.patch (jitted, on the slice's device) against param_server.apply_patch (numpy) for every kind, on a
+  region of the slice (what a trainer piece covers of a worker's column slice), padding positions included."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(0, 1, (8, 6)).astype(dtype)
+  u = np.dtype(f"uint{8 * x.itemsize}")
+  dest = (slice(2, 6), slice(1, 4))
+  pos = np.sort(rng.choice(12, 5, replace=False))
+  for kind, a, p in (("set", rng.integers(0, 1 << 16, 12).astype(u), None),
+                     ("xor", rng.integers(1, 1 << 16, 12).astype(u), None),
+                     ("sparse", rng.integers(1, 1 << 16, 5).astype(u), pos)):
+    want = ps.apply_patch(x.copy(), dest, kind, a, p)
+    got = rollout.patch(jax.device_put(x, jax.devices()[3]), (dest, kind, a, p))
+    assert got.devices() == {jax.devices()[3]}
+    np.testing.assert_array_equal(np.asarray(got).view(u), want.view(u))
+    if kind != "set":  # exactly the patched elements moved (every XOR is non-zero)
+      assert (np.asarray(got).view(u) != x.view(u)).sum() == len(a)
 
 
 def test_delta_encoding_picks_the_smallest_and_round_trips():
@@ -126,14 +153,14 @@ def test_delta_encoding_picks_the_smallest_and_round_trips():
   for want, new in cases.items():
     enc, payload, changed = ps.delta_encode(new.view(np.uint8), old.view(np.uint8), 2)
     assert enc == want and changed == int((new.view(np.uint16) != old.view(np.uint16)).sum())
-    out = ps.delta_apply(enc, payload, old.copy(), 2)
+    out = ps.apply_patch(old.copy(), (slice(None),), *ps.delta_decode(enc, payload, 4096, 2))
     assert np.array_equal(out.view(np.uint16), new.view(np.uint16))
   with pytest.raises(ValueError, match="sparse payload"):  # a position past the slice
-    ps.delta_apply("sparse_zlib", zlib.compress(np.array([5000], "<u4").tobytes() + b"\0\0"), old.copy(), 2)
+    ps.delta_decode("sparse_zlib", zlib.compress(np.array([5000], "<u4").tobytes() + b"\0\0"), 4096, 2)
   with pytest.raises(ValueError, match="xor payload"):
-    ps.delta_apply("xor_zlib", zlib.compress(b"\0" * 10), old.copy(), 2)
+    ps.delta_decode("xor_zlib", zlib.compress(b"\0" * 10), 4096, 2)
   with pytest.raises(ValueError, match="expands past"):  # a zip bomb cannot blow up the reader's memory
-    ps.delta_apply("xor_zlib", zlib.compress(b"\0" * 100_000), old.copy(), 2)
+    ps.delta_decode("xor_zlib", zlib.compress(b"\0" * 100_000), 4096, 2)
 
 
 def test_delta_request_checks_its_arguments(server):
