@@ -398,9 +398,9 @@ def _inflate(payload, limit):
   try:
     y = d.decompress(payload, limit)
   except zlib.error as e:
-    raise ValueError(f"delta_apply: bad zlib payload: {e}") from None
+    raise ValueError(f"delta_decode: bad zlib payload: {e}") from None
   if d.unconsumed_tail or not d.eof:
-    raise ValueError(f"delta_apply: zlib payload expands past {limit} bytes or is truncated")
+    raise ValueError(f"delta_decode: zlib payload expands past {limit} bytes or is truncated")
   return np.frombuffer(y, np.uint8)
 
 
