@@ -372,6 +372,7 @@ class Worker:
   drain_deadline: float = None  # set on SIGTERM
   failed: list = dataclasses.field(default_factory=list)  # ids failed since the last success (fail_item)
   sent: int = 0
+  leaser: "Leaser" = None
   stale_tokens: int = 0  # tokens regenerated as too stale since the last rollout sent
 
 
@@ -387,6 +388,9 @@ def run_worker():
   if w is None:
     return
   puller = Puller(client(), w.weights.pull, w.version)
+  # One refill of the slots leased ahead (one prompt until the first group shows the group size); none on SIGTERM.
+  w.leaser = Leaser(client(), lambda: 0 if w.drain_deadline is not None else
+                    FLAGS.slots // w.group_size if w.sent or w.slots.groups else 1, FLAGS.lease_s)
   sender = Sender(functools.partial(send_groups, w, client(), tok, pool), maxsize=FLAGS.slots)
   try:
     while not drained(w, stop):
@@ -409,8 +413,9 @@ def run_worker():
         finish_groups(w, active, sender, puller.newest)
   finally:
     puller.close()
+    ahead = w.leaser.close()
   sender.close()  # everything finished is scored and sent before the prompts in flight are handed back
-  hand_back(w.client, w.engine, w.slots.groups)
+  hand_back(w.client, w.engine, w.slots.groups, ahead)
   logging.info("worker %s stopped after %d groups", w.wid, w.sent)
 
 
@@ -452,11 +457,10 @@ def drained(w, stop):
 
 
 def lease(w):
-  """Leases only the prompts that fit the free slots now (none waits in a busy worker); returns those to start.
-  A malformed item fails alone; one that does not fit after all goes straight back for another worker."""
+  """Takes from the Leaser's buffer the prompts that fit the free slots now; returns those to start. A malformed
+  item fails alone; one that does not fit after all goes back to the front of the buffer."""
   t = time.time()
-  items = w.client.get("prompts", max_items=len(w.slots.free) // w.group_size,
-                       wait_s=0.0 if w.slots.groups else 1.0, lease_s=FLAGS.lease_s)
+  items = w.leaser.take(len(w.slots.free) // w.group_size, wait_s=0.0 if w.slots.groups else 1.0)
   if not w.slots.groups:  # idle: nothing to decode while the lease call waits
     w.window.add(wait_prompts_s=time.time() - t)
   fits, room = [], len(w.slots.free)
@@ -473,7 +477,7 @@ def lease(w):
       fits.append(item)
       room -= w.group_size
     else:
-      w.client.requeue("prompts", [item.id])
+      w.leaser.put_back(raw)
   return fits
 
 
@@ -588,11 +592,11 @@ def send_groups(w, client, tok, pool, rs):
     logging.info("worker %s v%d: %d groups sent, %.1f tok/s", w.wid, w.version, w.sent, rs[-1].stats["worker_tok_s"])
 
 
-def hand_back(client, engine, groups):
+def hand_back(client, engine, groups, ahead=()):
   """Returns the unfinished prompts so they are re-issued now rather than after their lease expires, each with
   its partial rollout (data.PARTIAL_FIELDS) when it has one: the next worker continues it instead of generating
   those tokens again (slime / AReaL partial rollouts); kill -9 loses only the leases and the tokens in flight."""
-  partial, plain, saved = [], [], 0
+  partial, plain, saved = [], list(ahead), 0  # ahead: leased, never started
   for gid, g in groups.items():
     toks, lps, n, vers = engine.rows(g["slots"])
     if not n.any():  # preempted before its first chunk: nothing to keep
@@ -683,6 +687,57 @@ class Window:
 
 
 # --- Background threads that keep the decode loop busy: the Sender, and the Puller with the pull side --------------
+
+class Leaser:
+  """Keeps want() prompts leased ahead on a background thread with its own connection: the decode loop takes them
+  from memory (a lease request per chunk on its thread was half its wall in the demo). At exit the rest go back
+  (hand_back); on kill -9 their leases expire like those of the prompts in flight."""
+
+  def __init__(self, client, want, lease_s: float):
+    self.client, self.want, self.lease_s = client, want, lease_s
+    self.items, self.error, self.closed = deque(), None, False
+    self.cond = threading.Condition()
+    self.thread = threading.Thread(target=self._run, daemon=True, name="leaser")
+    self.thread.start()
+
+  def _run(self):
+    try:
+      while not self.closed:
+        with self.cond:
+          self.cond.wait_for(lambda: self.closed or len(self.items) < self.want(), timeout=1.0)
+          n = self.want() - len(self.items)
+        got = self.client.get("prompts", max_items=n, wait_s=1.0, lease_s=self.lease_s) if n > 0 else []
+        with self.cond:
+          self.items.extend(got)
+          self.cond.notify_all()
+    except BaseException as e:  # noqa: BLE001  (raised on the loop's thread by take())
+      self.error = e
+      with self.cond:
+        self.cond.notify_all()
+
+  def take(self, n: int, wait_s: float):
+    """Up to n leased items (wire dicts), waiting up to wait_s for the first."""
+    with self.cond:
+      self.cond.wait_for(lambda: self.items or self.error is not None, timeout=wait_s)
+      if self.error is not None:
+        raise self.error
+      out = [self.items.popleft() for _ in range(min(n, len(self.items)))]
+      self.cond.notify_all()
+    return out
+
+  def put_back(self, raw):
+    with self.cond:
+      self.items.appendleft(raw)
+
+  def close(self):
+    """Stops leasing; returns the ids still held here (leased, never started)."""
+    self.closed = True
+    with self.cond:
+      self.cond.notify_all()
+    self.thread.join(timeout=10.0)  # a lease request in progress waits at most 1 s
+    with self.cond:
+      return [it["id"] for it in self.items]
+
 
 class Sender:
   """Runs fn(job) for each submitted job, in order, on one background thread. The queue is bounded: if sending

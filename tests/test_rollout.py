@@ -15,6 +15,7 @@ import pytest
 import data
 import losses
 import model
+import param_server
 import rollout
 
 CFG = model.Config(vocab_size=40, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffw_dim=128,
@@ -392,3 +393,29 @@ def test_a_prompt_longer_than_max_prompt_len_is_refused_though_continuations_may
   eng.reset(jnp.float32)
   with pytest.raises(ValueError, match="'long' of 13 tokens exceeds max_prompt_len=12"):
     rollout.generate_groups(eng, params, [("long", list(range(3, 16)))], 2)
+
+
+def test_the_leaser_keeps_prompts_leased_ahead_and_gives_back_the_rest():
+  """rollout.Leaser against a real server: it holds want() prompts leased (no more), take() serves them from
+  memory in issue order, and close() returns the ones never taken, still leased to this process (requeue works)."""
+  server = param_server.Server(param_server.ServerConfig(token="t")).start()
+  try:
+    c = param_server.Client(port=server.port, token="t")
+    c.put("prompts", [dict(id=f"p{i}") for i in range(10)])
+    want = [3]
+    leaser = rollout.Leaser(param_server.Client(port=server.port, token="t"), lambda: want[0], lease_s=30.0)
+    deadline = time.time() + 10
+    while c.stats()["queues"]["prompts"]["leased"] < 3 and time.time() < deadline:
+      time.sleep(0.02)
+    time.sleep(0.2)  # and no more than want()
+    assert c.stats()["queues"]["prompts"]["leased"] == 3
+    want[0] = 0  # (what a draining worker asks for): no refill
+    assert [it["id"] for it in leaser.take(2, wait_s=1.0)] == ["p0", "p1"]
+    time.sleep(0.2)
+    left = leaser.close()
+    assert left == ["p2"] and c.stats()["queues"]["prompts"]["leased"] == 3
+    c.requeue("prompts", left)
+    q = c.stats()["queues"]["prompts"]
+    assert q["leased"] == 2 and q["ready"] == 8  # p0, p1 taken (in flight), p2 back in the queue
+  finally:
+    server.stop()
