@@ -1200,12 +1200,21 @@ class Collector:
   # -- the loop's calls
   def collect(self, n, version, stop):
     """Leases rollouts until n groups to train on, or until stop.requested (then the caller hands back)."""
-    got = Collected()
+    got, idle = Collected(), True
     while len(got.groups) < n and not stop.requested:
-      self.note_quarantined()
+      if idle:  # (a request: only when the queue gave nothing, or at the start)
+        self.note_quarantined()
       self.issue(self.ahead(n))
-      for it in self.client.get("rollouts", max_items=n - len(got.groups), wait_s=self.wait_s,
-                                lease_s=self.lease_s):
+      # As many as the keep rate says the missing groups take (dynamic sampling drops most of them late in
+      # training: one group per request made the trainer wait on round trips); the ones this step does not need
+      # go back to the head of the queue for the next.
+      items = self.client.get("rollouts", max_items=math.ceil((n - len(got.groups)) / self.keep_rate()),
+                              wait_s=self.wait_s, lease_s=self.lease_s)
+      idle = not items
+      for i, it in enumerate(items):
+        if len(got.groups) == n:
+          self.client.requeue("rollouts", [x["id"] for x in items[i:]])
+          break
         self._take(it, version, got)
     return got
 

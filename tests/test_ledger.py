@@ -144,6 +144,15 @@ def test_collect_skips_zero_variance_stale_and_malformed_and_acks_only_after_the
   col.committed()
   q = c.stats()["queues"]["rollouts"]
   assert q["leased"] == q["ready"] == 0
+  # Collection leases by the keep rate too: one missing group at 2/3 (the re-issued prompts' rollouts: s4r kept) takes 2 rollouts in one request; the one
+  # this step does not need goes back to the queue, untouched, for the next step.
+  c.requeue("prompts")  # (the re-issued prompts this test leased above)
+  answer(c)
+  before = c.stats()["queues"]["rollouts"]["ready"]
+  one = col.collect(1, 0, Stop())
+  assert len(one.groups) == 1 and not one.skipped
+  assert c.stats()["queues"]["rollouts"]["ready"] == before - 1
+  assert col.collect(1, 0, Stop()).groups[0].id not in {g.id for g in one.groups}
 
 
 def test_a_stop_hands_the_partial_batch_back_and_a_restart_trains_each_rollout_once(server):
