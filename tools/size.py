@@ -25,9 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # measured keep rate within the staleness window, a worker that waits for weights rather than start doomed groups,
 # and generated / trained / dropped tokens with a staleness histogram in every step record; then delta pulls
 # applied as patches on the device with a per-payload crc (+23, with the host reference apply_patch beside the
-# decoder); then prompts leased one refill ahead on a background thread (rollout.Leaser, +55). Raise these only in the
-# commit that needs it, and say why.
-TOTAL_BUDGET = 8485
+# decoder); then prompts leased one refill ahead on a background thread (rollout.Leaser, +55) and rollouts leased
+# by the keep rate (+8). Raise these only in the commit that needs it, and say why.
+TOTAL_BUDGET = 8495
 FILE_BUDGET = 1910  # no single file past this: param_server.py is the largest
 
 
