@@ -13,7 +13,7 @@ from bench import util as benchutil
 import data
 from test_system import ROOT, free_port, steps_done, tiny_base
 
-STEPS = 8
+STEPS = 20  # (8 was all done before the fourth signal once collection got faster)
 
 
 def launch_cmd(run, port):
