@@ -173,8 +173,7 @@ class Engine:
   def __init__(self, cfg, sc: SamplingConfig, slots: int, max_prompt_len: int, chunk_steps: int = 8,
                attn_impl="auto", seed: int = 0):
     self.cfg, self.sc, self.B, self.chunk_steps, self.attn_impl = cfg, sc, slots, chunk_steps, attn_impl
-    self.seed, self._host = seed, None  # _host: the last chunk's host copy of active/tokens/logp/n_gen/versions
-    self.M, self.max_prompt_len, self.state = sc.max_new_tokens, max_prompt_len, None
+    self.M, self.max_prompt_len, self.seed, self.state = sc.max_new_tokens, max_prompt_len, seed, None
     # Prefill lengths (data.BUCKETS, 16..2048): fresh prompts up to max_prompt_len, continued samples (prompt +
     # partial completion) up to max_prompt_len + M.
     longest, buckets = max_prompt_len + self.M, data.BUCKETS[:-1]
@@ -191,9 +190,16 @@ class Engine:
     self._insert = jax.jit(self._insert_fn, donate_argnums=(1,))
     self._resume = jax.jit(self._resume_fn, donate_argnums=(0,))
 
+  @property
+  def state(self):
+    return self._state
+
+  @state.setter
+  def state(self, st):  # every new state invalidates the host copy of the old one (_fetch)
+    self._state, self._host = st, None
+
   def reset(self, dtype):
     B, M, cfg = self.B, self.M, self.cfg
-    self._host = None
     self.state = dict(
         cache=model.init_cache(cfg, B, self.S, dtype), logits=jnp.zeros((B, cfg.vocab_size), jnp.float32),
         active=jnp.zeros((B,), bool), n_gen=jnp.zeros((B,), jnp.int32),
@@ -275,9 +281,8 @@ class Engine:
     pad = (1 << (len(slots) - 1).bit_length()) - len(slots)
     rows, slots = np.asarray(rows + [0] * pad, np.int32), np.asarray(slots + [self.B] * pad, np.int32)
     keys = np.concatenate(keys + [np.zeros((pad, 2), np.uint32)])
-    self.state, self._host = self._insert(self._weights(params), self.state, jnp.asarray(prompts),
-                                          jnp.asarray(lengths), jnp.asarray(rows), jnp.asarray(slots),
-                                          jnp.asarray(keys), np.int32(version)), None
+    self.state = self._insert(self._weights(params), self.state, jnp.asarray(prompts), jnp.asarray(lengths),
+                              jnp.asarray(rows), jnp.asarray(slots), jnp.asarray(keys), np.int32(version))
 
   def resume(self, slots, tokens, logp, versions, done):
     """Continues samples another worker started (partial rollouts), right after insert() prefilled each slot with
@@ -290,16 +295,16 @@ class Engine:
       assert len(t) == len(l) == len(v) <= self.M and (d or len(t) < self.M), (len(t), len(l), len(v), d)
       n_gen[i], active[i], tok[i, :len(t)], lp[i, :len(t)], ver[i, :len(t)] = len(t), not d, t, l, v
     sl = np.asarray(list(slots) + [self.B] * (m - len(slots)), np.int32)
-    self.state, self._host = self._resume(self.state, *map(jnp.asarray, (sl, n_gen, tok, lp, ver, active))), None
+    self.state = self._resume(self.state, *map(jnp.asarray, (sl, n_gen, tok, lp, ver, active)))
 
   def run_chunk(self, params, version=0):
     """Decodes one chunk; returns which slots are still generating."""
-    self.state, self._host = self._chunk(self._weights(params), self.state, np.int32(version)), None
+    self.state = self._chunk(self._weights(params), self.state, np.int32(version))
     return self._fetch()["active"]
 
   def _fetch(self):
-    # One transfer of everything the host reads ([B,M] x 3 + [B] x 2: 0.4 MB at B=32, M=1024), not a gather per
-    # finished group.
+    # The current state's host copy, made on first use: one transfer of everything the host reads ([B,M] x 3 +
+    # [B] x 2: 0.4 MB at B=32, M=1024), not a gather per finished group.
     if self._host is None:
       self._host = jax.device_get({k: self.state[k] for k in ("active", "tokens", "logp", "n_gen", "versions")})
     return self._host

@@ -26,8 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # and generated / trained / dropped tokens with a staleness histogram in every step record; then delta pulls
 # applied as patches on the device with a per-payload crc (+23, with the host reference apply_patch beside the
 # decoder); then prompts leased one refill ahead on a background thread (rollout.Leaser, +55) and rollouts leased
-# by the keep rate (+8). Raise these only in the commit that needs it, and say why.
-TOTAL_BUDGET = 8495
+# by the keep rate (+8), and the engine's state setter that invalidates its host copy at every change (+3, where
+# each call site did it by hand). Raise these only in the commit that needs it, and say why.
+TOTAL_BUDGET = 8498
 FILE_BUDGET = 1910  # no single file past this: param_server.py is the largest
 
 
