@@ -420,6 +420,7 @@ def run_rl():
     # One trainer per run: from now on any older trainer still talking to the server is refused (fenced).
     logging.info("trainer epoch %d", servers[0].register_trainer())
     servers[0].requeue("rollouts")  # leases held by a previous incarnation of this trainer come back now
+    collector.ledger.resumed(servers[0])
   # The workers' sampling settings travel with the weights (manifest header fields): one source of truth for
   # what the loss scores. max_prompt_len: the longest kept prompt, so the workers size their KV cache from it.
   meta = dict(config=cfg.to_hf_dict(), sampling=dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k,
@@ -1136,6 +1137,12 @@ class RolloutLedger:
     if self.unacked_notices:
       client.ack("prompts.failed", self.unacked_notices)
     self.unacked, self.unacked_notices = [], []
+
+  def resumed(self, client):
+    """At a restart: what the restored checkpoint records may not have been acked before the crash (acks follow
+    the next commit); ack it now, so no consumed rollout waits on the server to be delivered and skipped."""
+    if self._recorded:
+      client.ack("rollouts", sorted(self._recorded))
 
   def load_state_dict(self, d):
     if not isinstance(d, dict) or not isinstance(d.get("count"), int) or not isinstance(d.get("gens"), list):

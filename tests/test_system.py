@@ -15,12 +15,11 @@ import time
 
 import jax
 
+from bench import fleet
 from bench import util as benchutil
 import data
 import model
-import param_server as ps
 from tools import plot
-import train
 
 ROOT = benchutil.ROOT
 STEPS = 48  # the last kill (server) lands at step >= 34 with the workers paused: the run still has steps to go
@@ -41,15 +40,7 @@ def tiny_base(run, tok):
   model.save_hf_checkpoint(os.path.join(run, "base"), cfg, model.init_params(cfg, jax.random.PRNGKey(0)))
 
 
-def read_state(ckpt_dir):
-  """The run state (JSON item) of the newest committed checkpoint in ckpt_dir, or None: no arrays read."""
-  c = train.Checkpointer(ckpt_dir, keep=1 << 30)
-  try:
-    step = c.mngr.latest_step()
-    return None if step is None else c.mngr.restore(step, args=c.ocp.args.Composite(
-        state=c.ocp.args.JsonRestore()))["state"]
-  finally:
-    c.close()
+read_state = fleet.read_state  # (test_train.py imports it from here)
 
 
 def steps_done(run):
@@ -234,42 +225,10 @@ def test_demo_chaos_preempts_a_worker_and_the_trainer_and_the_run_completes_exac
 
 
 def check_exactly_once(run, steps):
-  """The run's ledger: metrics lineage vs the final checkpoint vs what the server persisted."""
-  # The surviving lineage: the last record of each step (a step re-run after the trainer restart replaces it).
-  lineage, skipped = {}, {}
-  for line in open(os.path.join(run, "metrics.jsonl")):
-    rec = json.loads(line)
-    if "rollout_ids" in rec:  # a step (not the curation record)
-      lineage[rec["step"]], skipped[rec["step"]] = rec["rollout_ids"], rec["skipped_ids"]
-  assert sorted(lineage) == list(range(1, steps + 1))
-  trained = [rid for s in sorted(lineage) for rid in lineage[s]]
-  assert len(trained) == len(set(trained)) == steps * 2, "a rollout was trained twice in the final lineage"
-  skipped = [rid for s in sorted(skipped) for rid in skipped[s]]
-
-  state = read_state(os.path.join(run, "ckpt"))
-  assert state["step"] == steps
-  # Exactly once: consumed = trained + skipped (stale / zero-variance), disjoint, nothing consumed untrained.
-  # The checkpoint keeps a bounded record (count + the newest generations); the metrics log has every id.
-  consumed = trained + skipped
-  assert len(consumed) == len(set(consumed)) == state["consumed"]["count"]
-  assert set(state["consumed"]["gens"][-1]) <= set(consumed)
-
-  # Inspect what the server persisted (all leases come back on restart).
-  srv = ps.Server(ps.ServerConfig(run_dir=os.path.join(run, "server"), token=open(os.path.join(run, "token")).read().strip())).start()
-  try:
-    c = ps.Client("127.0.0.1", srv.port, token=open(os.path.join(run, "token")).read().strip())
-    queued_rollouts = {r["id"] for r in c.get("rollouts", 10_000)}
-    queued_prompts = {p["id"] for p in c.get("prompts", 10_000)}
-    assert not queued_rollouts & set(consumed), "an acked rollout was delivered again"
-    # Every consumed rollout is acked: acking again finds them all known, none pending.
-    assert c.ack("rollouts", consumed)["unknown"] == []
-    # No prompt is lost: each issued id was consumed, or its rollout or the prompt itself is still queued.
-    seen = set(consumed) | queued_rollouts | queued_prompts
-    for seq in range(state["seq"]):
-      pid = f"s{seq}"
-      assert {pid + "r" * i for i in range(4)} & seen, f"prompt {pid} was lost"
-  finally:
-    srv.stop()
+  """The run's ledger: metrics lineage vs the final checkpoint vs what the server persisted (bench.fleet's check:
+  each step once, nothing trained twice, consumed = trained + skipped, every consumed rollout acked, no prompt
+  lost)."""
+  assert fleet.exactly_once(run, 2)["steps"] == steps
 
 
 def test_trainer_killed_and_sigtermed_during_curation_restarts_and_finishes(tmp_path):

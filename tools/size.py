@@ -29,9 +29,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # by the keep rate (+8), and the engine's state setter that invalidates its host copy at every change (+3, where
 # each call site did it by hand). Issue 42 item 3, elastic workers (+51): launch.sh add-worker / remove-worker, a
 # request file the supervisor takes each tick (it starts the worker with the others' command line, SIGTERMs a removed
-# one, answers once it has exited and does not restart it), with errors naming bad input. Raise these only in the
-# commit that needs it, and say why.
-TOTAL_BUDGET = 8549
+# one, answers once it has exited and does not restart it), with errors naming bad input. Issue 42 item 4 (+7): a
+# restarted trainer acks at once the rollouts its checkpoint records (bench.fleet found them left on the server
+# after a SIGKILL, to be delivered and skipped later). Raise these only in the commit that needs it, and say why.
+TOTAL_BUDGET = 8556
 FILE_BUDGET = 1910  # no single file past this: param_server.py is the largest
 
 
