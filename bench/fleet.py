@@ -12,9 +12,10 @@ the rollouts in one request, acks the prompts, and reads the newest manifest onc
 (weights are not pulled: the weight path has its own benches, bench.link and bench.sharded). On SIGTERM it
 hands its leased prompts back at once; kill -9 leaves them leased until --lease_s.
 
-Phase 1, throughput vs N: one trainer runs throughout; the fleet grows through --ns, --phase_s per size (after
---warmup_s). Per phase: groups and tokens trained per second (trainer step records), groups the workers finished
-per second (the server's prompt acks), the fleet's ideal (N x one worker's rate), the trainer's wait fraction, the
+Phase 1, throughput vs N: one trainer runs throughout (its first 3 steps, compiles, run with --chaos_workers
+workers); the fleet goes through --ns, --phase_s per size (after --warmup_s). Per phase: groups the workers
+finished per second (the server's prompt acks: rollout throughput), groups and tokens trained per second
+(between the phase's first and last step records), the fleet's ideal (N x one worker's rate), the trainer's wait fraction, the
 prompts in flight against the pacing window (min(prefetch_steps, max_staleness) x prompts_per_step / keep rate),
 and the CPU (cores) used by the server, the trainer and the simulated workers, read from /proc.
 Phase 2, preemption: --chaos_workers workers for --chaos_s; every --kill_every_s a random worker gets SIGKILL or
@@ -263,12 +264,6 @@ def worker_rate():
 def measure_phase(fleet, n):
   """Throughput at n workers over --phase_s: one result row."""
   fleet.resize(n)
-  t = time.time()
-  while len(fleet.records()) < 3:  # the trainer's first steps (compiles: length buckets) are not throughput
-    if time.time() - t > 600:
-      raise RuntimeError(f"no trainer step within 600 s (see {fleet.run}/logs/trainer.log)")
-    fleet.check()
-    time.sleep(0.5)
   time.sleep(FLAGS.warmup_s)
   fleet.check()
   c0, q0, t0 = fleet.cpu(), fleet.client.stats()["queues"], time.time()
@@ -278,10 +273,13 @@ def measure_phase(fleet, n):
   dt = t1 - t0
   recs = [r for r in fleet.records() if t0 <= r["time"] <= t1]
   waits = sorted(r["trainer_wait_frac"] for r in recs) or [float("nan")]
+  # Trained rates between the phase's first and last step records (a step is 256 groups: at small N none or one
+  # lands in a phase, then nan); the fleet's rate is the server's count of prompts acked (groups finished).
+  span = recs[-1]["time"] - recs[0]["time"] if len(recs) > 1 else float("nan")
+  rate = lambda f: sum(f(r) for r in recs[1:]) / span  # noqa: E731
   return dict(n=n, ideal=n * worker_rate(), finished=(q1["prompts"]["acked"] - q0["prompts"]["acked"]) / dt,
-              trained=sum(len(r["rollout_ids"]) for r in recs) / dt,
-              trained_tok=sum(r["trained_tokens"] for r in recs) / dt, steps=len(recs),
-              stale=sum(r["stale_dropped"] for r in recs) / dt, zero_var=sum(r["zero_var_dropped"] for r in recs) / dt,
+              trained=rate(lambda r: len(r["rollout_ids"])), trained_tok=rate(lambda r: r["trained_tokens"]),
+              steps=len(recs), stale=rate(lambda r: r["stale_dropped"]), zero_var=rate(lambda r: r["zero_var_dropped"]),
               step_s=float(np.median([r["step_s"] + r["push_s"] for r in recs])) if recs else float("nan"),
               wait=waits[len(waits) // 2], in_flight=q1["prompts"]["ready"] + q1["prompts"]["leased"],
               window=recs[-1]["issued_ahead"] if recs else 0,
@@ -415,6 +413,13 @@ def main(argv):
           f"groups of {FLAGS.group_size} x <= {FLAGS.max_new_tokens} tokens per batch, {FLAGS.tok_s:g} tok/s, "
           f"{FLAGS.latency_s:g} s latency); trainer: {FLAGS.prompts_per_step} groups per step, staleness <= "
           f"{FLAGS.max_staleness}; box: {os.cpu_count()} cores", flush=True)
+    fleet.resize(FLAGS.chaos_workers)
+    t = time.time()
+    while len(fleet.records()) < 3:  # the trainer's first steps (compiles: length buckets) are not throughput
+      if time.time() - t > 600:
+        raise RuntimeError(f"no 3 trainer steps within 600 s (see {fleet.run}/logs/trainer.log)")
+      fleet.check()
+      time.sleep(0.5)
     rows = out["rows"] = []
     for n in map(int, FLAGS.ns):
       rows.append(measure_phase(fleet, n))
