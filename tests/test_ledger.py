@@ -207,3 +207,22 @@ def test_curation_rates_the_next_prompts_without_consuming_the_stream(server):
   col.issue(1)  # the stream's first two prompts are out of the band: skipped, the third is issued as s0
   assert [(it["id"], it["prompt_id"]) for it in c.get("prompts", 10)] == [("s0", head[2].id)]
   assert col.band_skipped == 2
+
+
+def test_policy_lag_counts_updates_along_the_lineage_across_restarts():
+  # A trainer killed after its checkpoint of v40 had published up to v48; its successor re-published v40's weights
+  # as v49 (fork [40, 49]), trained v50, v51, v52, then was killed after a checkpoint of v52 with v55 published;
+  # the next re-published v52 as v56 (fork [52, 56]) and trained v57, v58. Counted by hand along the lineage
+  # 39 -> 40 = 49 -> 50 -> 51 -> 52 = 56 -> 57 -> 58:
+  forks = [[40, 49], [52, 56]]
+  assert train.policy_lag(58, 58, forks) == 0
+  assert train.policy_lag(58, 56, forks) == 2
+  assert train.policy_lag(58, 52, forks) == 2  # v52 and v56 are the same weights
+  assert train.policy_lag(58, 50, forks) == 4
+  assert train.policy_lag(58, 40, forks) == 5
+  assert train.policy_lag(58, 39, forks) == 6
+  # Dead incarnations' versions: their own updates past the fork point, plus ours since it.
+  assert train.policy_lag(58, 54, forks) == (54 - 52) + 2
+  assert train.policy_lag(58, 45, forks) == (45 - 40) + 5
+  assert train.policy_lag(50, 45, forks[:1]) == (45 - 40) + 1
+  assert train.policy_lag(7, 3, []) == 4  # no restart: plain difference
