@@ -6,6 +6,7 @@ settings that let XLA on the host CPU reuse a step's buffers.
   define_shared_flags(max_new_tokens, task_args_error)   called by train.py's and rollout.py's define_flags():
                                           importing a module defines no flag; docs/FLAGS.md lists them
   tune_malloc()                           first thing in a process's main, before its first JAX computation
+  policy_lag(now, tag, forks)             staleness in policy updates along the trainer's lineage (restarts)
 """
 import contextlib
 import ctypes
@@ -132,3 +133,16 @@ class StopFlag:
 
   def _set(self, *_):
     self.requested = True
+
+
+def policy_lag(now, tag, forks):
+  """Policy updates between version `tag` (a rollout's) and `now` along this trainer's lineage. forks: [lo, hi] per
+  restart, which published the restored weights of version lo again as version hi (past the server's newest); a
+  tag in (lo, hi) is from an incarnation that died after its checkpoint: tag - lo updates off our lineage."""
+  lag = now - tag
+  for lo, hi in forks:
+    if lo < tag < hi:
+      return tag - lo + policy_lag(now, lo, forks)
+    if tag <= lo and hi <= now:
+      lag -= hi - lo  # versions lo+1 .. hi are no updates of ours
+  return lag

@@ -379,6 +379,7 @@ class Worker:
   sent: int = 0
   leaser: "Leaser" = None
   stale_tokens: int = 0  # tokens regenerated as too stale since the last rollout sent
+  forks: list = dataclasses.field(default_factory=list)  # the trainer's restarts (manifest field; common.policy_lag)
 
 
 def run_worker():
@@ -400,7 +401,7 @@ def run_worker():
   try:
     while not drained(w, stop):
       if new := puller.take():  # between chunks: the groups in flight keep their (older) tag
-        w.version, w.params = new[0]["version"], new[1]
+        w.version, w.params, w.forks = new[0]["version"], new[1], new[0].get("forks", [])
       # Pacing: a group started on weights more than --max_staleness behind the newest would only be regenerated;
       # wait for the puller instead.
       behind = puller.newest - w.version > FLAGS.max_staleness
@@ -449,7 +450,8 @@ def wait_for_weights(stop, client, tok):
                   FLAGS.attn_impl, seed=FLAGS.seed)
   engine.reset(jax.tree.leaves(params)[0].dtype)
   logging.info("worker %s: v%d, sampling %s, mesh %s", wid, m["version"], sc, dict(mesh.shape))
-  return Worker(wid, client, engine, weights, params, m["version"], Slots(FLAGS.slots), Window())
+  return Worker(wid, client, engine, weights, params, m["version"], Slots(FLAGS.slots), Window(),
+                forks=m.get("forks", []))
 
 
 def drained(w, stop):
@@ -507,7 +509,8 @@ def start_groups(w, items):
       continue
     try:
       part = partial_of(it.partial, it.group_size, w.engine.M, vocab)
-      if part and w.version - min(int(v.min()) for v in part[2] if len(v)) > FLAGS.max_staleness:
+      oldest = min(int(v.min()) for v in part[2] if len(v)) if part else None
+      if part and common.policy_lag(w.version, oldest, w.forks) > FLAGS.max_staleness:
         raise ValueError(f"its oldest token is more than --max_staleness={FLAGS.max_staleness} versions "
                          f"behind v{w.version}")
     except ValueError as e:
@@ -552,7 +555,7 @@ def finish_groups(w, active, sender, latest):
     g = w.slots.release(gid)
     toks, lps, n, vers = w.engine.rows(g["slots"])  # host slices of the chunk's one transfer
     tag = min((int(vers[i, :n[i]].min()) for i in range(len(n)) if n[i]), default=w.version)
-    if latest - tag > FLAGS.max_staleness and w.drain_deadline is None:
+    if common.policy_lag(latest, tag, w.forks) > FLAGS.max_staleness and w.drain_deadline is None:
       stale.append(dataclasses.replace(g["item"], partial=None))
       w.stale_tokens += int(n.sum())
       continue

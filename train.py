@@ -429,7 +429,7 @@ def run_rl():
   gen = {k: meta["sampling"][k] for k in ("temperature", "top_p", "max_new_tokens")}  # the exports' generation_config
   restored, state["version"] = state["version"], publish(servers, state["version"], params["policy"], meta)
   if restored >= 0:  # resumed: the weights of `restored` are published again as a newer version (policy_lag)
-    state["forks"] = collector.forks = (state.get("forks", []) + [[restored, state["version"]]])[-16:]
+    state["forks"] = collector.forks = meta["forks"] = (state.get("forks", []) + [[restored, state["version"]]])[-16:]
   metrics = Metrics(os.path.join(FLAGS.run_dir, "metrics.jsonl"),
                     FLAGS.tensorboard and os.path.join(FLAGS.run_dir, "tensorboard"))
   if ckpt.damaged and lead:
@@ -569,7 +569,7 @@ WORKER_STATS = ("pull_bytes", "pull_s", "delta_frac", "worker_busy_frac", "worke
 def step_record(state, got, collector, trained_version, rewards, lengths, batch, m, times, lr):
   """The step's line in metrics.jsonl (lr: the learning rate this step used)."""
   groups = got.groups
-  lag = np.asarray([policy_lag(trained_version, g.version, collector.forks) for g in groups], int)
+  lag = np.asarray([common.policy_lag(trained_version, g.version, collector.forks) for g in groups], int)
   rec = dict(step=state["step"], time=time.time(),
              lr=lr,
              reward=float(rewards.mean()), reward_std=float(rewards.std()),
@@ -1153,19 +1153,6 @@ class RolloutLedger:
     self._recorded = {r for g in self.gens for r in g}
 
 
-def policy_lag(now, tag, forks):
-  """Policy updates between version `tag` (a rollout's) and `now` along this trainer's lineage. forks: [lo, hi] per
-  restart, which published the restored weights of version lo again as version hi (past the server's newest); a
-  tag in (lo, hi) is from an incarnation that died after its checkpoint: tag - lo updates off our lineage."""
-  lag = now - tag
-  for lo, hi in forks:
-    if lo < tag < hi:
-      return tag - lo + policy_lag(now, lo, forks)
-    if tag <= lo and hi <= now:
-      lag -= hi - lo  # versions lo+1 .. hi are no updates of ours
-  return lag
-
-
 def in_band(tracker, pid, band, min_samples):
   """Online curation: is prompt pid still worth issuing? Unknown or barely sampled prompts are; otherwise its
   recent (EMA) pass rate must lie strictly inside the band (the paper drops always- and never-solved prompts)."""
@@ -1205,7 +1192,7 @@ class Collector:
     self._rated = []  # (prompt id, rewards) of the step being collected: into the tracker once it is trained
     self.evals, self.eval_records = {}, []  # held-out rounds in flight (by id tag); finished rounds' records
     self.outcomes = collections.deque(maxlen=256)  # recent groups taken: kept (True) or dropped as zero-variance
-    self.forks = []  # this lineage's restarts, for policy_lag
+    self.forks = []  # this lineage's restarts, for common.policy_lag
 
   # -- checkpointed state
   def state_dict(self):
@@ -1286,7 +1273,7 @@ class Collector:
         logging.error("rollout %r: its prompt fields are unreadable too; the prompt is not re-issued", rid)
       return
     got.dropped_tokens["worker_stale"] += int(r.stats.get("stale_regen_tokens", 0))
-    if policy_lag(version, r.version, self.forks) > self.max_staleness:
+    if common.policy_lag(version, r.version, self.forks) > self.max_staleness:
       got.stale += 1  # too old to train on: re-issue the prompt under a fresh id
       got.dropped_tokens["stale"] += r.n_tokens
       got.skipped.append(rid)

@@ -111,7 +111,7 @@ def sim_worker():
     gen_s = FLAGS.latency_s + sum(int(n.sum()) for n in lens) / FLAGS.tok_s
     t = time.time()
     while time.time() - t < gen_s and not stop.requested:
-      time.sleep(min(0.1, gen_s - (time.time() - t)))
+      time.sleep(max(0.0, min(0.1, gen_s - (time.time() - t))))
     if stop.requested:  # SIGTERM mid-batch: these prompts go back now (not after their lease expires)
       c.requeue("prompts", [it.id for it in items])
       break

@@ -6,6 +6,7 @@ import threading
 import numpy as np
 import pytest
 
+import common
 import data
 import train
 import param_server as ps
@@ -215,14 +216,14 @@ def test_policy_lag_counts_updates_along_the_lineage_across_restarts():
   # the next re-published v52 as v56 (fork [52, 56]) and trained v57, v58. Counted by hand along the lineage
   # 39 -> 40 = 49 -> 50 -> 51 -> 52 = 56 -> 57 -> 58:
   forks = [[40, 49], [52, 56]]
-  assert train.policy_lag(58, 58, forks) == 0
-  assert train.policy_lag(58, 56, forks) == 2
-  assert train.policy_lag(58, 52, forks) == 2  # v52 and v56 are the same weights
-  assert train.policy_lag(58, 50, forks) == 4
-  assert train.policy_lag(58, 40, forks) == 5
-  assert train.policy_lag(58, 39, forks) == 6
+  assert common.policy_lag(58, 58, forks) == 0
+  assert common.policy_lag(58, 56, forks) == 2
+  assert common.policy_lag(58, 52, forks) == 2  # v52 and v56 are the same weights
+  assert common.policy_lag(58, 50, forks) == 4
+  assert common.policy_lag(58, 40, forks) == 5
+  assert common.policy_lag(58, 39, forks) == 6
   # Dead incarnations' versions: their own updates past the fork point, plus ours since it.
-  assert train.policy_lag(58, 54, forks) == (54 - 52) + 2
-  assert train.policy_lag(58, 45, forks) == (45 - 40) + 5
-  assert train.policy_lag(50, 45, forks[:1]) == (45 - 40) + 1
-  assert train.policy_lag(7, 3, []) == 4  # no restart: plain difference
+  assert common.policy_lag(58, 54, forks) == (54 - 52) + 2
+  assert common.policy_lag(58, 45, forks) == (45 - 40) + 5
+  assert common.policy_lag(50, 45, forks[:1]) == (45 - 40) + 1
+  assert common.policy_lag(7, 3, []) == 4  # no restart: plain difference
