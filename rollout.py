@@ -409,7 +409,7 @@ def run_worker():
         start_groups(w, lease(w))
       elif behind and not w.slots.groups:
         t = time.time()
-        time.sleep(0.02)
+        puller.wait(1.0)
         w.window.add(wait_weights_s=time.time() - t)
       sender.check()
       if w.slots.groups:
@@ -854,7 +854,7 @@ class Puller:
     self.client, self.pull, self.version, self.poll_s = client, pull, version, poll_s
     self.ready, self.error, self.closed = None, None, False
     self.newest = version  # the newest version the server announced (being pulled, or ready)
-    self.taken = threading.Event()
+    self.taken, self.arrived = threading.Event(), threading.Event()  # arrived: a version is ready for take()
     self.taken.set()
     self.thread = threading.Thread(target=self._run, daemon=True, name="puller")
     self.thread.start()
@@ -872,6 +872,7 @@ class Puller:
         if new is not None:
           self.version = m["version"]
           self.taken.clear()
+          self.arrived.set()  # before ready: a take() in between finds None, and the next finds it
           self.ready = (m, new)
     except BaseException as e:  # noqa: BLE001  (raised on the loop's thread by take())
       self.error = e
@@ -882,8 +883,13 @@ class Puller:
       raise self.error
     r, self.ready = self.ready, None
     if r is not None:
+      self.arrived.clear()
       self.taken.set()
     return r
+
+  def wait(self, timeout_s: float):
+    """Until a version is ready for take() (or timeout_s): a worker too far behind waits here, idle."""
+    self.arrived.wait(timeout_s)
 
   def close(self):
     self.closed = True

@@ -245,9 +245,12 @@ def test_puller_downloads_in_background_and_holds_at_most_two_versions():
   # v2 is complete but not taken: v3 must not download yet (v1 in use + v2 ready = the two versions held).
   assert pulled == [1, 1, 2]
   assert p.take() == ({"version": 2}, "w2")
-  while (r := p.take()) is None and time.time() < deadline:
-    time.sleep(0.01)
-  assert r == ({"version": 3}, "w3") and pulled == [1, 1, 2, 3]
+  t = time.time()
+  p.wait(10.0)  # a worker too far behind waits here: woken by v3's arrival, not by polling
+  assert time.time() - t < 5 and p.take() == ({"version": 3}, "w3") and pulled == [1, 1, 2, 3]
+  t = time.time()
+  p.wait(0.3)  # nothing newer: the whole timeout
+  assert time.time() - t >= 0.29 and p.take() is None
   p.close()
   assert not p.thread.is_alive()
 
