@@ -787,7 +787,7 @@ def pull_weights(manifest, shardings, clients, base=None, stats=None, token=None
   tree): only the distinct slices this process's devices hold (param_server.pull_slices). clients: dict
   "host:port" -> Client, filled on demand. Returns (pytree of jax.Array, bytes pulled). base=(manifest, params)
   the reader holds now (what an earlier pull returned with the same shardings): each slice it holds comes as a
-  delta, applied on each device that holds the slice (patch), so a pull moves and touches only what changed,
+  delta, applied on each device that holds the slice (_patch), so a pull moves and touches only what changed,
   never a host copy of the model; pull_slices says what `stats` gets. token: for the clients it opens. A malformed
   manifest raises ValueError, like a failed pull."""
   param_server.check_manifest(manifest)
@@ -808,30 +808,33 @@ def pull_weights(manifest, shardings, clients, base=None, stats=None, token=None
   for name, bufs, patches in param_server.pull_slices(
       manifest, wanted, clients, base=base and base[0], stats=st, token=token,
       held=lambda name, slices: [w for w in slices if all((w, d) in shards.get(name, {}) for d in wanted[name][w])]):
+    ready = {w: [placed(p, tuple(hi - lo for lo, hi in w)) for p in ps] for w, ps in patches.items()}  # once a slice
     out[name] = jax.make_array_from_single_device_arrays(
         tuple(manifest["tensors"][name]["shape"]), sh[name],
-        [functools.reduce(patch, patches[w], shards[name][w, d]) if w in patches else jax.device_put(bufs[w], d)
-         for w, ds in wanted[name].items() for d in ds])
+        [functools.reduce(lambda x, q: _patch(x, *q), ready[w], shards[name][w, d]) if w in ready
+         else jax.device_put(bufs[w], d) for w, ds in wanted[name].items() for d in ds])
   if stats is not None:
     stats.update(st)
   return param_server.unflatten(out), st["bytes"]
 
 
-def patch(x, p):
-  """x (a device array: one slice of a weight) with one pull_slices patch (dest, kind, a, pos) applied, as a new
-  array on x's device (x stays: it is the version in use): only the patch's elements cross to the device."""
+def placed(p, shape):
+  """One pull_slices patch (dest, kind, a, pos) of a slice of `shape`, ready for _patch(x, *placed(...)), once per
+  slice however many devices hold it: a sparse patch's region positions turned into positions in the slice, padded
+  to a power of two (few compiled shapes). _patch returns the patched slice as a new array on x's device (x stays:
+  it is the version in use); only the patch's elements cross to the device."""
   dest, kind, a, pos = p
   dest = tuple((d.start, d.stop) for d in dest)
-  if kind == "sparse":  # region positions -> positions in x, padded to a power of two (few compiled shapes)
-    shape = [hi - lo for lo, hi in dest]
-    pos = np.ravel_multi_index(tuple(i + lo for i, (lo, _) in zip(np.unravel_index(pos, shape), dest)), x.shape)
+  if kind == "sparse":
+    region = [hi - lo for lo, hi in dest]
+    pos = np.ravel_multi_index(tuple(i + lo for i, (lo, _) in zip(np.unravel_index(pos, region), dest)), shape)
     n = 1 << max(len(pos) - 1, 0).bit_length()
-    pos, a = np.pad(pos, (0, n - len(pos)), constant_values=x.size), np.pad(a, (0, n - len(a)))
-  return _patch(x, a, pos, dest=dest, kind=kind)
+    pos, a = np.pad(pos, (0, n - len(pos)), constant_values=math.prod(shape)), np.pad(a, (0, n - len(a)))
+  return a, pos, dest, kind
 
 
-@functools.partial(jax.jit, static_argnames=("dest", "kind"))
-def _patch(x, a, pos, *, dest, kind):
+@functools.partial(jax.jit, static_argnums=(3, 4))  # dest, kind
+def _patch(x, a, pos, dest, kind):
   # Bitwise, as the server encoded it: the weights' bits viewed as unsigned ints of the same width.
   u = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
   region = tuple(slice(lo, hi) for lo, hi in dest)

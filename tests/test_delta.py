@@ -125,7 +125,7 @@ def test_a_delta_payload_damaged_in_transit_is_caught_by_its_crc_and_pulled_in_f
 
 @pytest.mark.parametrize("dtype", [BF16, np.float32])
 def test_a_patch_on_the_device_equals_the_host_reference(dtype):
-  """rollout.patch (jitted, on the slice's device) against param_server.apply_patch (numpy) for every kind, on a
+  """rollout._patch (jitted, on the slice's device) against param_server.apply_patch (numpy) for every kind, on a
   region of the slice (what a trainer piece covers of a worker's column slice), padding positions included."""
   rng = np.random.default_rng(0)
   x = rng.normal(0, 1, (8, 6)).astype(dtype)
@@ -136,7 +136,7 @@ def test_a_patch_on_the_device_equals_the_host_reference(dtype):
                      ("xor", rng.integers(1, 1 << 16, 12).astype(u), None),
                      ("sparse", rng.integers(1, 1 << 16, 5).astype(u), pos)):
     want = ps.apply_patch(x.copy(), dest, kind, a, p)
-    got = rollout.patch(jax.device_put(x, jax.devices()[3]), (dest, kind, a, p))
+    got = rollout._patch(jax.device_put(x, jax.devices()[3]), *rollout.placed((dest, kind, a, p), x.shape))
     assert got.devices() == {jax.devices()[3]}
     np.testing.assert_array_equal(np.asarray(got).view(u), want.view(u))
     if kind != "set":  # exactly the patched elements moved (every XOR is non-zero)
