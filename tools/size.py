@@ -35,8 +35,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (common.policy_lag, the checkpoint's forks, also sent to the workers in the manifest, +20: a SIGKILLed trainer's
 # successor dropped ~7.5 steps of the fleet's rollouts as stale in bench.fleet); a worker too far behind on weights
 # waits on the Puller's arrival event instead of polling every 20 ms (+6); a delta patch's positions computed once
-# per slice, not once per device holding it (+3). Raise these only in the commit that needs it, and say why.
-TOTAL_BUDGET = 8585
+# per slice, not once per device holding it (+3); `launch.sh test FILE` runs that file only (+2). Raise these only
+# in the commit that needs it, and say why.
+TOTAL_BUDGET = 8587
 FILE_BUDGET = 1910  # no single file past this: param_server.py is the largest
 
 
