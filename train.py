@@ -414,7 +414,7 @@ def run_rl():
   if got:
     params, opt_state, st = got
     collector.load_state_dict(st)
-    state = {k: st[k] for k in ("step", "version", "seed", "curated", "forks") if k in st}
+    state = {k: st[k] for k in ("step", "version", "seed", "curated") if k in st}
     logging.info("resumed at step %d", state["step"])
   if lead:
     # One trainer per run: from now on any older trainer still talking to the server is refused (fenced).
@@ -429,7 +429,7 @@ def run_rl():
   gen = {k: meta["sampling"][k] for k in ("temperature", "top_p", "max_new_tokens")}  # the exports' generation_config
   restored, state["version"] = state["version"], publish(servers, state["version"], params["policy"], meta)
   if restored >= 0:  # resumed: the weights of `restored` are published again as a newer version (policy_lag)
-    state["forks"] = collector.forks = meta["forks"] = (state.get("forks", []) + [[restored, state["version"]]])[-16:]
+    collector.forks = meta["forks"] = (collector.forks + [[restored, state["version"]]])[-16:]
   metrics = Metrics(os.path.join(FLAGS.run_dir, "metrics.jsonl"),
                     FLAGS.tensorboard and os.path.join(FLAGS.run_dir, "tensorboard"))
   if ckpt.damaged and lead:
@@ -1198,11 +1198,12 @@ class Collector:
   def state_dict(self):
     return dict(seq=self.seq, issued=self.issued, band_skipped=self.band_skipped, quarantined=self.quarantined,
                 stream=self.stream.state_dict(), pass_rates=self.tracker.state_dict(),
-                consumed=self.ledger.state_dict())
+                consumed=self.ledger.state_dict(), forks=self.forks)
 
   def load_state_dict(self, st):
     self.seq, self.issued = st["seq"], st["issued"]
     self.band_skipped, self.quarantined = st.get("band_skipped", 0), st.get("quarantined", [])
+    self.forks = st.get("forks", [])
     self.stream.load_state_dict(st["stream"])
     self.tracker.load_state_dict(st["pass_rates"])
     self.ledger.load_state_dict(st["consumed"])

@@ -15,9 +15,10 @@ hands its leased prompts back at once; kill -9 leaves them leased until --lease_
 Phase 1, throughput vs N: one trainer runs throughout (its first 3 steps, compiles, run with --chaos_workers
 workers); the fleet goes through --ns, --phase_s per size (after --warmup_s). Per phase: groups the workers
 finished per second (the server's prompt acks: rollout throughput), groups and tokens trained per second
-(between the phase's first and last step records), the fleet's ideal (N x one worker's rate), the trainer's wait fraction, the
-prompts in flight against the pacing window (min(prefetch_steps, max_staleness) x prompts_per_step / keep rate),
-and the CPU (cores) used by the server, the trainer and the simulated workers, read from /proc.
+(between the phase's first and last step records), the fleet's ideal (N x one worker's rate), the trainer's
+wait fraction, the prompts in flight against the pacing window (min(prefetch_steps, max_staleness) x
+prompts_per_step / keep rate), and the CPU (cores) used by the server, the trainer and the simulated workers, read
+from /proc.
 Phase 2, preemption: --chaos_workers workers for --chaos_s; every --kill_every_s a random worker gets SIGKILL or
 SIGTERM (alternating) and a fresh one starts; every --trainer_every_s the trainer gets SIGTERM or SIGKILL
 (alternating) and is restarted with the same command (it resumes from its last checkpoint), as launch.sh's
@@ -143,13 +144,13 @@ class Fleet:
 
   def __init__(self, run, seed):
     self.run, self.rng, self.workers, self.n_started, self.events = run, random.Random(seed), {}, 0, []
-    self.gone = []  # stopped workers, reaped at the end
+    self.gone = []  # stopped workers, reaped at the end; events: (time, what) per trainer preemption
     os.makedirs(os.path.join(run, "logs"), exist_ok=True)
     os.makedirs(os.path.join(run, "ready"), exist_ok=True)
     with open(os.path.join(run, "token"), "w") as f:
       f.write(TOKEN)
     tok = data.load_tokenizer(data.build_task_tokenizer(run, "arithmetic", seed=0))
-    tiny_base(os.path.join(run, "base"), tok)
+    benchutil.tiny_base(run, tok)
     self.server, self.port = benchutil.start_server(
         os.path.join(run, "port"), f"--token_file={run}/token", f"--run_dir={run}/server",
         "--max_peer_requests=4096", "--max_peer_rps=100000", log=os.path.join(run, "logs", "server.log"))
@@ -207,14 +208,14 @@ class Fleet:
     p = self.workers.pop(wid)
     p.send_signal(sig)
     self.gone.append(p)
-    self.events.append((time.time(), f"worker {wid} SIG{signal.Signals(sig).name[3:]}"))
     self.add_worker()  # a replacement joins (a preempted TPU VM comes back as a fresh worker)
 
   def preempt_trainer(self, sig):
     self.trainer.send_signal(sig)
     t = time.time()
     self.trainer.wait()  # SIGTERM: its final checkpoint first (launch.sh's supervisor waits likewise)
-    self.events.append((t, f"trainer SIG{signal.Signals(sig).name[3:]} (exit after {time.time() - t:.1f} s)"))
+    # Stamped at the exit: after a SIGTERM the step under way still finishes and writes its record.
+    self.events.append((time.time(), f"trainer SIG{signal.Signals(sig).name[3:]} (exit after {time.time() - t:.1f} s)"))
     self.start_trainer()
 
   def records(self):
@@ -242,17 +243,6 @@ class Fleet:
       p.wait()
     self.server.send_signal(signal.SIGTERM)
     self.server.wait()
-
-
-def tiny_base(path, tok):
-  """A random 1-layer policy (the model's numbers do not matter here; only its step time does)."""
-  import model
-  hf = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=tok.vocab_size, hidden_size=32,
-            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-            max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-            bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
-  cfg = model.Config.from_hf_dict(hf)
-  model.save_hf_checkpoint(path, cfg, benchutil.random_params(cfg, 0))
 
 
 def worker_rate():
@@ -315,7 +305,7 @@ def chaos(fleet, seconds):
     fleet.check()
     time.sleep(0.05)
   t = time.time()  # the run goes on after the last preemption: one trainer step after it before the check
-  last = max((e for e, what in fleet.events if what.startswith("trainer")), default=0)
+  last = max((t for t, _ in fleet.events), default=0)
   while not any(r["time"] > last for r in fleet.records()):
     if time.time() - t > 600:
       raise RuntimeError(f"no trainer step within 600 s of its last restart (see {fleet.run}/logs/trainer.log)")
@@ -387,12 +377,10 @@ def exactly_once(run, per_step):
 
 
 def timeline(fleet, t0):
-  """The trainer's preemptions in the run's records: when, the step it had reached, the step it resumed from, and
-  the groups dropped as stale in the first step after (generated on the dead incarnation's versions)."""
+  """The trainer's preemptions in the run's records: when it exited, the step it had reached, the step it resumed
+  from, and the groups dropped as stale in the first step after (generated on the dead incarnation's versions)."""
   recs, out = fleet.records(), []
   for t, what in fleet.events:
-    if not what.startswith("trainer"):
-      continue
     before = ([0] + [r["step"] for r in recs if r["time"] < t])[-1]  # the newest record's (not the max: a rerun)
     after = next((r for r in recs if r["time"] > t), None)
     out.append(dict(t=round(t - t0, 1), event=what, step=before, resumed_at=after and after["step"] - 1,

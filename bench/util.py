@@ -1,4 +1,4 @@
-"""What several benches share: timing, random weights, the model-shape flags, a child JAX process's environment,
+"""What several benches share: timing, random weights, the tiny system-test policy, the model-shape flags, a child JAX process's environment,
 and starting a server process. Benches run from the repo root as `python -m bench.NAME`."""
 import os
 import statistics
@@ -50,6 +50,19 @@ def random_params(cfg, seed):
   import model
   rng = np.random.default_rng(seed)
   return model.init_params(cfg, None, normal=lambda shape: rng.standard_normal(shape, np.float32), zero_bias=False)
+
+
+def tiny_base(run, tok):
+  """RUN/base: a random 1-layer d=32 Qwen2 policy over `tok`'s vocabulary, the system tests' and bench.fleet's
+  (their figures do not depend on the weights, only on a cheap step)."""
+  import jax
+  import model
+  hf = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=tok.vocab_size, hidden_size=32,
+            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+            max_position_embeddings=128, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+  cfg = model.Config.from_hf_dict(hf)
+  model.save_hf_checkpoint(os.path.join(run, "base"), cfg, model.init_params(cfg, jax.random.PRNGKey(0)))
 
 
 def child_env():

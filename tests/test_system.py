@@ -13,12 +13,10 @@ import socket
 import subprocess
 import time
 
-import jax
 
 from bench import fleet
 from bench import util as benchutil
 import data
-import model
 from tools import plot
 
 ROOT = benchutil.ROOT
@@ -31,15 +29,7 @@ def free_port():
     return s.getsockname()[1]
 
 
-def tiny_base(run, tok):
-  hf = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=tok.vocab_size, hidden_size=32,
-            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-            max_position_embeddings=128, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-            bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
-  cfg = model.Config.from_hf_dict(hf)
-  model.save_hf_checkpoint(os.path.join(run, "base"), cfg, model.init_params(cfg, jax.random.PRNGKey(0)))
-
-
+tiny_base = benchutil.tiny_base  # (test_elastic, test_signals, test_launch import it from here)
 read_state = fleet.read_state  # (test_train.py imports it from here)
 
 

@@ -35,9 +35,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (common.policy_lag, the checkpoint's forks, also sent to the workers in the manifest, +20: a SIGKILLed trainer's
 # successor dropped ~7.5 steps of the fleet's rollouts as stale in bench.fleet); a worker too far behind on weights
 # waits on the Puller's arrival event instead of polling every 20 ms (+6); a delta patch's positions computed once
-# per slice, not once per device holding it (+3); `launch.sh test FILE` runs that file only (+2). Raise these only
-# in the commit that needs it, and say why.
-TOTAL_BUDGET = 8587
+# per slice, not once per device holding it (+3); `launch.sh test FILE` runs that file only (+2); the forks kept in
+# the Collector's checkpointed state alone, where three copies were assigned at once (+1). Raise these only in the
+# commit that needs it, and say why.
+TOTAL_BUDGET = 8588
 FILE_BUDGET = 1910  # no single file past this: param_server.py is the largest
 
 
