@@ -19,6 +19,7 @@ Design choices
   so the log-prob of completion token j sits at t = P-1+j; `completion_extras` (e.g. behaviour log-probs, one
   float per completion token) are scattered to the same positions. Row length: the smallest bucket >= max L.
 """
+import collections
 import dataclasses
 import hashlib
 import itertools
@@ -33,7 +34,6 @@ import shutil
 import signal
 import tempfile
 import time
-from collections import deque
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -595,13 +595,17 @@ def _pool_worker(conn, limits, tmp_dir, strict_math):
 
 class VerifierPool:
   """score() hands each (problem, completion) to a free worker (timeouts: see the module docstring).
-  max_workers=0 runs verify() inline (no isolation, no timeout). Counters: timeouts, crashes, errors, last_error."""
+  max_workers=0 runs verify() inline (no isolation, no timeout). Counters: timeouts, crashes, errors, last_error;
+  reused (verdicts not run again), ran. The verdict cache: a verdict depends only on the problem's content and
+  the completion (a task's verify reads nothing else), so the newest cache_size clean verdicts (not a timeout,
+  crash or verifier error: those may pass on a retry) are kept by a 16-byte hash of both (~100 bytes each)."""
 
   def __init__(self, max_workers: int = 2, timeout_s: float = 30.0, limits: SandboxLimits = SandboxLimits(),
-               strict_math: bool = True):
+               strict_math: bool = True, cache_size: int = 1 << 16):
     if max_workers < 0 or timeout_s <= 0:
       raise ValueError(f"VerifierPool: need max_workers >= 0 and timeout_s > 0, got {max_workers}, {timeout_s}")
     self.max_workers, self.timeout_s, self.limits, self.strict_math = max_workers, timeout_s, limits, strict_math
+    self.cache, self.cache_size, self.reused, self.ran = collections.OrderedDict(), cache_size, 0, 0
     self.startup_timeout_s = 120.0
     self._ctx = multiprocessing.get_context("spawn")  # fork after JAX/threads is unsafe
     # Removed by close(), else at GC or exit (rollout.py's worker never calls close()); inline pools need none.
@@ -640,13 +644,35 @@ class VerifierPool:
     shutil.rmtree(w[2], ignore_errors=True)
 
   def score(self, problems, completions) -> list:
+    """Verdicts in order; each distinct (problem, completion) not in the cache runs once (a group's repeated
+    answers too)."""
     if len(problems) != len(completions):
       raise ValueError(f"VerifierPool.score: {len(problems)} problems but {len(completions)} completions")
+    keys = [hashlib.blake2b(json.dumps([p.task, p.prompt, p.answer, p.tests, p.messages, c]).encode(),
+                            digest_size=16).digest() for p, c in zip(problems, completions)]
+    new = {k: i for i, k in enumerate(keys) if k not in self.cache}
+    got, clean = self._run([problems[i] for i in new.values()], [completions[i] for i in new.values()])
+    out = dict(zip(new, got))
+    out.update((k, self.cache[k]) for k in keys if k not in out)
+    self.cache.update((k, v) for k, v, ok in zip(new, got, clean) if ok)
+    for k in keys:
+      if k in self.cache:
+        self.cache.move_to_end(k)
+    while len(self.cache) > self.cache_size:
+      self.cache.popitem(last=False)
+    self.reused, self.ran = self.reused + len(keys) - len(new), self.ran + len(new)
+    return [out[k] for k in keys]
+
+  def _run(self, problems, completions):
+    """-> (scores, clean: whether each is the verifier's own verdict, not a timeout, crash or error)."""
     if self.max_workers == 0:
-      return [verify(p, c, self.limits, self.strict_math) for p, c in zip(problems, completions)]
+      return [verify(p, c, self.limits, self.strict_math) for p, c in zip(problems, completions)], [True] * len(problems)
+    if not problems:
+      return [], []
     if not self._workers:
       self._workers = self._await_ready([self._spawn() for _ in range(self.max_workers)])
-    scores, pending, free = [0.0] * len(problems), deque(range(len(problems))), list(self._workers)
+    scores, pending, free = [0.0] * len(problems), collections.deque(range(len(problems))), list(self._workers)
+    clean = [False] * len(problems)
     refused = None
     busy = {}  # connection -> (worker, index, start time)
     while pending or busy:
@@ -660,6 +686,7 @@ class VerifierPool:
         w, i, _ = busy.pop(conn)
         try:
           _, scores[i], err = conn.recv()
+          clean[i] = err is None
           if isinstance(err, SandboxUnavailable):
             refused = err
           elif err is not None:
@@ -676,7 +703,7 @@ class VerifierPool:
           free.append(self._replace(w))
     if refused is not None:
       raise refused
-    return scores
+    return scores, clean
 
   def _replace(self, w):
     self._kill(w)
@@ -817,7 +844,7 @@ class Rollout:
   prompt_tokens: np.ndarray  # [S] int32
   completions: list  # G x [n_g] int32
   logprobs: list  # G x [n_g] float32
-  rewards: np.ndarray  # [G] float32
+  rewards: np.ndarray  # [G] float32; None until a verifier scored it (the "to_score" queue)
   gen_s: float = 0.0
   stats: dict = dataclasses.field(default_factory=dict)
 
@@ -833,18 +860,19 @@ class Rollout:
   def to_wire(self) -> dict:
     return dict(id=self.id, version=self.version, worker=self.worker, **_problem_wire(self.problem),
                 prompt_tokens=np.asarray(self.prompt_tokens, np.int32), completions=list(self.completions),
-                logprobs=list(self.logprobs), rewards=np.asarray(self.rewards, np.float32), gen_s=self.gen_s,
-                **self.stats)
+                logprobs=list(self.logprobs), gen_s=self.gen_s, **self.stats,
+                **({} if self.rewards is None else dict(rewards=np.asarray(self.rewards, np.float32))))
 
   @classmethod
-  def from_wire(cls, d: dict) -> "Rollout":
+  def from_wire(cls, d: dict, scored: bool = True) -> "Rollout":
+    """scored=False: one from the "to_score" queue, whose rewards a verifier fills in (none are read)."""
     where = f"rollout {d.get('id')!r}"
     _need(d, "id", (str,), where, "a str")
     _need(d, "version", (int,), where, "an int")
     comps = _need(d, "completions", (list,), where, "a list")
     lps = list(_need(d, "logprobs", (list,), where, "a list"))  # a copy: its entries become float32 arrays
     rewards = np.asarray(d.get("rewards", ()), np.float64) if isinstance(d.get("rewards"), (np.ndarray, list)) \
-        else None
+        else None if scored else np.zeros(len(comps))
     if rewards is None or rewards.shape != (len(comps),) or not comps or len(lps) != len(comps) \
             or not np.all(np.isfinite(rewards)):
       raise ValueError(f"{where}: completions, logprobs and rewards must be G >= 1 entries each with finite "
@@ -863,8 +891,7 @@ class Rollout:
              if k not in _ROLLOUT_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)}
     return cls(d["id"], d["version"], str(d.get("worker", "")), _problem_from_wire(d, where),
                _token_ids(d.get("prompt_tokens"), "prompt_tokens", where), comps,
-               lps, rewards.astype(np.float32), float(d.get("gen_s", 0.0)),
-               stats)
+               lps, rewards.astype(np.float32) if scored else None, float(d.get("gen_s", 0.0)), stats)
 
 
 # Wire keys that are Rollout fields or its problem's; any other numeric key is a worker stat.

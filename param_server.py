@@ -840,6 +840,7 @@ class _Queue:
     self.acked = collections.OrderedDict()   # id -> None, bounded
     self.failures = {}                        # id -> failures reported (FAIL) for a live item
     self.quarantined = collections.OrderedDict()  # id -> {"reason", "failures"}, bounded like acked
+    self.consumers = {}  # holder -> when it last asked (a GET with consumer=True): stats' "consumers"
     self.nbytes, self.cond = 0, threading.Condition()
     self.path = os.path.join(cfg.run_dir, f"queue-{name}.log") if cfg.run_dir else None
     self.log, self.log_bytes, self.broken, self.damaged = None, 0, False, 0
@@ -1160,6 +1161,8 @@ class _Queues:
       return bool(q.ready)
 
     with q.cond:
+      if h.get("consumer") is True:  # (the expired dropped here too: it holds at most 30 s of distinct holders)
+        q.consumers = {k: t for k, t in q.consumers.items() if time.monotonic() - t < 30} | {holder: time.monotonic()}
       _wait(q.cond, any_ready, end, self.stopped, tick=0.5)  # the tick also wakes it to reclaim expired leases
       expiry = time.monotonic() + lease_s
       while q.ready and len(out) < max_items:
@@ -1226,9 +1229,9 @@ class _Queues:
     for name, q in list(self.all.items()):
       with q.cond:
         q.reclaim()
-        out[name] = {"ready": len(q.ready), "leased": len(q.leased), "acked": len(q.acked),
-                     "bytes": q.nbytes, "failing": len(q.failures), "quarantined": len(q.quarantined),
-                     "damaged_records": q.damaged}
+        out[name] = {"ready": len(q.ready), "leased": len(q.leased), "acked": len(q.acked), "bytes": q.nbytes,
+                     "consumers": sum(time.monotonic() - t < 30 for t in q.consumers.values()),
+                     "failing": len(q.failures), "quarantined": len(q.quarantined), "damaged_records": q.damaged}
     return out
 
 
@@ -1776,10 +1779,11 @@ class Client:
     h = {"queue": queue, "items": metas, "wait_s": float(wait_s), "release": release}
     return self._request(PUT, h, parts, wait_s=wait_s)[0]
 
-  def get(self, queue: str, max_items: int, wait_s: float = 0.0, lease_s: float = 300.0):
-    """Leases up to max_items items (waits up to wait_s for the first). Unacked items return after lease_s."""
+  def get(self, queue: str, max_items: int, wait_s: float = 0.0, lease_s: float = 300.0, consumer: bool = False):
+    """Leases up to max_items items (waits up to wait_s for the first). Unacked items return after lease_s.
+    consumer: this process serves the queue (a verifier): stats() counts it in the queue's "consumers" for 30 s."""
     h, buf = self._request(GET, {"queue": queue, "max_items": int(max_items), "wait_s": float(wait_s),
-                                 "lease_s": float(lease_s)}, wait_s=wait_s)
+                                 "lease_s": float(lease_s), "consumer": consumer}, wait_s=wait_s)
     out, off = [], 0  # items and their arrays lie back to back in the payload
     for m in h["items"]:
       item = {"id": m["id"], **m["json"]}

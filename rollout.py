@@ -40,8 +40,8 @@ def define_flags():
   """Called only by main(): importing this file defines no flag (see common)."""
   common.define_shared_flags(max_new_tokens=16, task_args_error=data.task_args_error)
   flags.adopt_module_key_flags(common)
-  flags.DEFINE_enum("mode", "worker", ["worker", "eval"], "worker: serve the RL run; eval: pass@k of --checkpoint. "
-                    "Default worker.")
+  flags.DEFINE_enum("mode", "worker", ["worker", "verifier", "eval"], "worker: serve the RL run; verifier: score "
+                    "the run's rollouts (the verifier role, run_verifier); eval: pass@k of --checkpoint. Default worker.")
   flags.DEFINE_string("checkpoint", None, "HF checkpoint dir (eval; a worker waits for pushed weights). Default none.")
   flags.DEFINE_string("worker_id", None, "Name used in logs and rollout records. Default host-pid.")
   flags.DEFINE_integer("tensor_parallel", 1, "Local devices the worker shards its weights over (tensor axis); it "
@@ -53,6 +53,8 @@ def define_flags():
   flags.DEFINE_bool("math_strict", True, "task=math: reward only a \\boxed{} answer (math-verify compares it); "
                     "False also takes 'answer is X', '#### X' or the last number. Default True.")
   flags.DEFINE_float("lease_s", 120.0, "Seconds a leased prompt stays ours before the server re-issues it. Default 120.")
+  flags.DEFINE_float("score_lease_s", 120.0, "Verifier role: seconds a leased rollout to score stays ours before the "
+                     "server re-issues it to another verifier (its own deadline, apart from --lease_s). Default 120.")
   flags.DEFINE_float("drain_s", 10.0, "On SIGTERM, seconds spent finishing in-flight groups. Default 10.")
   flags.DEFINE_integer("verifier_workers", 2, "Verifier process-pool size. Default 2.")
   flags.DEFINE_float("verifier_timeout_s", 10.0, "Per-completion verifier timeout in seconds. Default 10.")
@@ -71,6 +73,7 @@ def define_flags():
   for name, ok, rule in (("verifier_workers", lambda v: v >= 0, ">= 0 (0 = inline)"),
                          ("temperature", nonneg, "finite and >= 0 (0 = greedy)"),
                          ("drain_s", nonneg, "finite and >= 0"), ("lease_s", positive, "finite and > 0"),
+                         ("score_lease_s", positive, "finite and > 0"),
                          ("verifier_timeout_s", positive, "finite and > 0")):
     flags.register_validator(name, ok, message=f"--{name} must be {rule}")
 
@@ -380,16 +383,20 @@ class Worker:
   leaser: "Leaser" = None
   stale_tokens: int = 0  # tokens regenerated as too stale since the last rollout sent
   forks: list = dataclasses.field(default_factory=list)  # the trainer's restarts (manifest field; common.policy_lag)
+  scoring: tuple = (0.0, 0, 0)  # the "to_score" queue as last seen (verifiers): when, its consumers, its ready items
+
+
+def connect():
+  """(a new server connection each call, the tokenizer, the verifier pool) of a worker or a verifier."""
+  token = open(FLAGS.token_file).read().strip() if FLAGS.token_file else None
+  pool = data.VerifierPool(FLAGS.verifier_workers, timeout_s=FLAGS.verifier_timeout_s, strict_math=FLAGS.math_strict,
+                           limits=data.SandboxLimits(unsafe=FLAGS.unsafe_code_sandbox))
+  return lambda: param_server.connect(FLAGS.server, token, FLAGS.server_retries), data.load_tokenizer(FLAGS.tokenizer), pool
 
 
 def run_worker():
   stop = param_server.StopFlag()
-  token = open(FLAGS.token_file).read().strip() if FLAGS.token_file else None
-  host, port = FLAGS.server.rsplit(":", 1)
-  client = lambda: param_server.Client(host, int(port), token=token, retries=FLAGS.server_retries)  # noqa: E731
-  tok = data.load_tokenizer(FLAGS.tokenizer)
-  pool = data.VerifierPool(FLAGS.verifier_workers, timeout_s=FLAGS.verifier_timeout_s, strict_math=FLAGS.math_strict,
-                           limits=data.SandboxLimits(unsafe=FLAGS.unsafe_code_sandbox))
+  client, tok, pool = connect()
   w = wait_for_weights(stop, client(), tok)
   if w is None:
     return
@@ -412,6 +419,8 @@ def run_worker():
         puller.wait(1.0)
         w.window.add(wait_weights_s=time.time() - t)
       sender.check()
+      if not w.slots.groups:  # idle: the Sender still looks for rollouts the verifier role left unscored
+        sender.submit([])
       if w.slots.groups:
         t = time.time()
         active = w.engine.run_chunk(w.params, w.version)
@@ -578,15 +587,18 @@ def finish_groups(w, active, sender, latest):
 
 
 def send_groups(w, client, tok, pool, rs):
-  """The Sender's step, once per chunk: scores the chunk's finished groups in one verifier call, puts them in one
-  request, then acks their prompts in one (only then: a crash in between re-issues the prompts, and the server
-  drops the duplicate rollouts by id). If the batch fails, each group goes alone, so a bad one fails alone."""
+  """The Sender's step, once per chunk: puts the chunk's finished groups in one request, then acks their prompts in
+  one (only then: a crash in between re-issues the prompts, and the server drops the duplicate rollouts by id).
+  They go to the run's verifier role when it has one (queue "to_score"), else they are scored here in one
+  verifier call, and then this worker also scores as many the role left behind (its verifiers all gone). If the
+  batch fails, each group goes alone, so a bad one fails alone."""
+  remote = has_verifiers(w, client)
+  if not remote and w.scoring[2]:  # (an idle worker sends rs=[] now and then for this)
+    score_items(client, tok, pool, client.get("to_score", FLAGS.slots, lease_s=FLAGS.score_lease_s), w.failed)
+  if not rs:
+    return
   try:
-    rewards = pool.score([r.problem for r in rs for _ in r.completions],
-                         [tok.decode(c.tolist()) for r in rs for c in r.completions])
-    rs = [dataclasses.replace(r, rewards=np.asarray(rewards[i:i + len(r.completions)], np.float32))
-          for r, i in zip(rs, np.cumsum([0] + [len(r.completions) for r in rs]))]
-    client.put("rollouts", [r.to_wire() for r in rs])
+    client.put("to_score" if remote else "rollouts", [r.to_wire() for r in (rs if remote else scored(pool, tok, rs))])
   except Exception as e:
     if len(rs) == 1 or isinstance(e, FATAL):
       return fail_item(client, rs[0].id, e, w.failed)  # (raises if FATAL)
@@ -598,6 +610,65 @@ def send_groups(w, client, tok, pool, rs):
   w.sent += len(rs)
   if w.sent // 20 > (w.sent - len(rs)) // 20:
     logging.info("worker %s v%d: %d groups sent, %.1f tok/s", w.wid, w.version, w.sent, rs[-1].stats["worker_tok_s"])
+
+
+def has_verifiers(w, client):
+  """Whether the run has a verifier role now: a process asked "to_score" for work in the last 30 s (the server's
+  stats, read every 5 s)."""
+  if time.time() - w.scoring[0] > 5:
+    q = client.stats()["queues"].get("to_score", {})
+    w.scoring = (time.time(), q.get("consumers", 0), q.get("ready", 0))
+  return w.scoring[1] > 0
+
+
+def scored(pool, tok, rs, remote=False):
+  """The rollouts rs with their rewards, from one verifier call for all their completions."""
+  n = pool.reused
+  rewards = pool.score([r.problem for r in rs for _ in r.completions],
+                       [tok.decode(c.tolist()) for r in rs for c in r.completions])
+  stats = dict(verdicts_reused_frac=(pool.reused - n) / max(len(rewards), 1), scored_by_verifier=float(remote))
+  return [dataclasses.replace(r, rewards=np.asarray(rewards[i:i + len(r.completions)], np.float32),
+                              stats=dict(r.stats, **stats))
+          for r, i in zip(rs, np.cumsum([0] + [len(r.completions) for r in rs]))]
+
+
+def score_items(client, tok, pool, items, failed, remote=False):
+  """Scores rollouts leased from "to_score" and moves them to "rollouts": put, then ack (a crash in between
+  scores them again, and the server drops the duplicate by id). A batch that fails is retried one by one; an
+  item that fails alone is reported (FAIL: re-issued to another verifier, quarantined after the server's
+  --max_failures, which the trainer counts as consumed). Returns how many went on."""
+  if not items:
+    return 0
+  try:
+    client.put("rollouts", [r.to_wire() for r in scored(
+        pool, tok, [data.Rollout.from_wire(it, scored=False) for it in items], remote)])
+  except Exception as e:
+    if len(items) > 1 and not isinstance(e, FATAL):
+      return sum(score_items(client, tok, pool, [it], failed, remote) for it in items)
+    fail_item(client, items[0]["id"], e, failed, "to_score")  # (raises if FATAL)
+    return 0
+  failed.clear()
+  client.ack("to_score", [it["id"] for it in items])
+  return len(items)
+
+
+def run_verifier():
+  """--mode=verifier, the verifier role (on any host that reaches the server: CPU hosts or the TPU hosts' CPUs):
+  leases rollouts from "to_score" (--slots at a time, for --score_lease_s), scores them in its process pool and
+  sandbox (verdict cache included) and moves them to "rollouts". Workers send there only while some verifier
+  asks for work. SIGTERM: the batch in hand is finished, nothing more leased; kill -9: its leases expire and
+  another verifier (or a worker, when none is left) scores them."""
+  stop = param_server.StopFlag()
+  client, tok, pool = connect()
+  client, n, failed = client(), 0, []
+  logging.info("verifier %s: serving the queue to_score", FLAGS.worker_id)
+  while not stop.requested:
+    items = client.get("to_score", FLAGS.slots, wait_s=2.0, lease_s=FLAGS.score_lease_s, consumer=True)
+    n += score_items(client, tok, pool, items, failed, remote=True)
+    if items and n // 100 > (n - len(items)) // 100:
+      logging.info("verifier %s: %d groups scored, %.0f%% of verdicts reused", FLAGS.worker_id, n,
+                   100 * pool.reused / max(pool.reused + pool.ran, 1))
+  logging.info("verifier %s stopped after %d groups", FLAGS.worker_id, n)
 
 
 def hand_back(client, engine, groups, ahead=()):
@@ -659,8 +730,8 @@ def partial_of(fields, G, M, vocab):
 FATAL = (ConnectionError, PermissionError, param_server.StorageError, param_server.QueueFullError)  # not an item's fault
 
 
-def fail_item(client, gid, exc, failures):
-  """Reports a prompt this worker could not process (the server re-issues it and quarantines it after its
+def fail_item(client, gid, exc, failures, queue="prompts"):
+  """Reports a prompt (or a rollout to score) this worker could not process (the server re-issues it and quarantines it after its
   --max_failures reports) and moves on. Errors that are not the item's fault (server unreachable, wrong token,
   server disk full) end the worker, and so do --max_failures_in_a_row failures in a row: a broken worker must not
   quarantine the whole dataset."""
@@ -671,7 +742,7 @@ def fail_item(client, gid, exc, failures):
     raise RuntimeError(f"{len(failures)} items failed in a row (last {gid!r}): the worker itself is broken") from exc
   reason = f"{type(exc).__name__}: {exc}"[:1000]
   logging.warning("prompt %s failed on this worker (%s); reported to the server", gid, reason)
-  client.fail("prompts", [gid], reason)
+  client.fail(queue, [gid], reason)
 
 
 class Window:
@@ -969,6 +1040,8 @@ def main(argv):
     raise app.UsageError("--tokenizer is required")
   if FLAGS.mode == "worker":
     run_worker()
+  elif FLAGS.mode == "verifier":
+    run_verifier()
   elif FLAGS.checkpoint is None:
     raise app.UsageError("--mode=eval needs --checkpoint")
   else:

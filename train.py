@@ -563,7 +563,7 @@ def curate(collector, stop, metrics):
 # over a step's groups. With the trainer's own wait fraction they say which side to grow (tools/plot.py's balance line,
 # docs/GUIDE.md "Sizing").
 WORKER_STATS = ("pull_bytes", "pull_s", "delta_frac", "worker_busy_frac", "worker_tok_s", "worker_wait_prompts_frac",
-                "worker_wait_send_frac", "worker_wait_weights_frac")
+                "worker_wait_send_frac", "worker_wait_weights_frac", "scored_by_verifier", "verdicts_reused_frac")
 
 
 def step_record(state, got, collector, trained_version, rewards, lengths, batch, m, times, lr):
@@ -1062,6 +1062,11 @@ def export_hf(out, cfg, params, dtype=None, tokenizer_src=None, sampling=None, c
 # pass rate left --pass_band (at most one pass over the stream per draw, so an empty band cannot stall). A prompt
 # the server quarantined (workers failed it --max_failures times) counts as consumed without training, once.
 
+# Where the server leaves its quarantine notices: prompts the workers kept failing on, and rollouts the verifier
+# role could not score (rollout.score_items); either way the prompt is consumed without training.
+FAILED = ("prompts.failed", "to_score.failed")
+
+
 class RolloutLedger:
   """Which rollout ids this trainer lineage consumed, for exactly-once acks; bounded for runs of any length.
 
@@ -1102,7 +1107,8 @@ class RolloutLedger:
     if rid in self.unacked_notices or rid in self.notices:
       return False
     if self._held(rid):
-      client.ack("prompts.failed", [rid])
+      for q in FAILED:
+        client.ack(q, [rid])
       return False
     self.notices.append(rid)
     return True
@@ -1136,8 +1142,8 @@ class RolloutLedger:
     """That checkpoint is on disk: ack, and its ids are consumed."""
     if self.unacked:
       client.ack("rollouts", self.unacked)
-    if self.unacked_notices:
-      client.ack("prompts.failed", self.unacked_notices)
+    for q in FAILED if self.unacked_notices else ():
+      client.ack(q, self.unacked_notices)
     self.unacked, self.unacked_notices = [], []
 
   def resumed(self, client):
@@ -1367,13 +1373,13 @@ class Collector:
     return out
 
   def note_quarantined(self):
-    """Prompts the server quarantined (notices in the queue "prompts.failed") count as consumed without
+    """Prompts the server quarantined (notices in the queues FAILED) count as consumed without
     training, so issue() sends a replacement; each is recorded once in the checkpointed state and its notice
     acked once that checkpoint commits. Returns how many were new."""
     new = 0
-    for it in self.client.get("prompts.failed", max_items=1000, lease_s=self.lease_s):
+    for it in [it for q in FAILED for it in self.client.get(q, max_items=1000, lease_s=self.lease_s)]:
       if it["id"].startswith("e"):  # a held-out prompt the workers kept failing on: out of its round
-        self.client.ack("prompts.failed", [it["id"]])
+        self.client.ack(it["queue"] + ".failed", [it["id"]])
         if (ev := self.evals.get(it["id"].rsplit("-", 1)[0])) is not None:
           ev["pending"].discard(it["id"])
           self._eval_round_done(ev)

@@ -363,11 +363,12 @@ def exactly_once(run, per_step):
     c = ps.Client("127.0.0.1", srv.port, token=token)
     queued_rollouts = {r["id"] for r in c.get("rollouts", 100_000)}
     queued_prompts = {p["id"] for p in c.get("prompts", 100_000)}
+    to_score = {r["id"] for r in c.get("to_score", 100_000)}  # the verifier role's queue (rollout.score_items)
     assert not queued_rollouts & set(consumed), "an acked rollout was delivered again"
     assert c.ack("rollouts", consumed)["unknown"] == [], "a consumed rollout was not acked on the server"
-    # No prompt lost: each issued id (s<seq>, re-issued as s<seq>r, s<seq>rr, ...) was consumed, or its rollout or
-    # the prompt itself is still queued.
-    seen = {i.rstrip("r") for i in set(consumed) | queued_rollouts | queued_prompts}
+    # No prompt lost: each issued id (s<seq>, re-issued as s<seq>r, s<seq>rr, ...) was consumed, or its rollout
+    # (scored or not) or the prompt itself is still queued.
+    seen = {i.rstrip("r") for i in set(consumed) | queued_rollouts | queued_prompts | to_score}
     lost = [f"s{q}" for q in range(state["seq"]) if f"s{q}" not in seen]
     assert not lost, f"{len(lost)} prompts lost, e.g. {lost[:5]}"
   finally:

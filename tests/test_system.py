@@ -88,7 +88,7 @@ def kill9_and_wait_restart(run, role, proc, sig=signal.SIGKILL):
   wait_until(replaced, 60, f"the {role} restart", proc)
 
 
-def start_run(tmp_path, steps, launch_flags=(), train_flags=()):
+def start_run(tmp_path, steps, launch_flags=(), train_flags=(), worker_args=""):
   """launch.sh local on a tiny random base policy, in its own session (on failure the whole tree is killed)."""
   run = str(tmp_path / "run")
   os.makedirs(run)
@@ -96,7 +96,7 @@ def start_run(tmp_path, steps, launch_flags=(), train_flags=()):
   tiny_base(run, tok)
   cmd = ["bash", "launch.sh", "local", f"--run_dir={run}", f"--steps={steps}", f"--port={free_port()}",
          "--skip_eval", "--no_chaos", *launch_flags,  # this test kills roles itself, at chosen points
-         "--worker_args=--lease_s=6 --slots=8 --chunk_steps=4 --verifier_workers=0",
+         f"--worker_args=--lease_s=6 --slots=8 --chunk_steps=4 --verifier_workers=0 {worker_args}",
          "--", "--prompts_per_step=2", "--group_size=4", "--checkpoint_every=2", "--task_args=difficulty=1,ops=+-",
          "--get_wait_s=0.5", "--rollout_lease_s=60", "--train_size=100", "--prefetch_steps=1",
          "--curate_prompts=0", "--pass_band=",  # the demo's curation: a random policy solves no prompt, none is kept
