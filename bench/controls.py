@@ -12,6 +12,7 @@ plus the arm's flags after "--":
   curate  the paper's curation: the base's pass rates on 2048 prompts, then only prompts with a tracked pass
           rate strictly inside (0, 1) are issued; rates are re-estimated from every trained group, so a prompt
           re-enters the band as the policy changes (its curation calls are counted as verifier calls too)
+  verifiers  grpo with the verifier role: launch.sh --verifiers=2 (the workers score nothing themselves)
 
 It prints per arm and seed the held-out pass@1/pass@8 before and after (with standard errors), the training
 reward, verifier calls, wall time, and held-out pass@8 per step and per wall second (--eval_every), then a table
@@ -32,7 +33,7 @@ import subprocess
 from bench.util import ROOT
 
 ARMS = {"grpo": [], "sync": ["--max_staleness=0"], "dr_grpo": ["--algo=dr_grpo"], "star": ["--algo=star"],
-        "curate": ["--curate_prompts=2048", "--pass_band=0,1"]}
+        "curate": ["--curate_prompts=2048", "--pass_band=0,1"], "verifiers": ["--verifiers=2"]}
 
 
 def run_arm(out_dir, seed, arm, steps, eval_every, report):
@@ -45,10 +46,11 @@ def run_arm(out_dir, seed, arm, steps, eval_every, report):
     shutil.copytree(os.path.join(first, "base"), os.path.join(run, "base"))
     shutil.copy(os.path.join(first, "eval_before.json"), run)
   stale = [f"--worker_args={f}" for f in ARMS[arm] if f.startswith("--max_staleness")]  # workers get the bound too
+  launch = [f for f in ARMS[arm] if f.startswith("--verifiers")]  # launch.sh's own flag, the rest train.py's
   with open(os.path.join(out_dir, f"seed{seed}_{arm}.log"), "w") as log:
     subprocess.run(["bash", "launch.sh", "local", f"--run_dir={run}", f"--seed={seed}", f"--steps={steps}", *stale,
-                    "--", *ARMS[arm], f"--eval_every={eval_every}"], cwd=ROOT, check=True, stdout=log,
-                   stderr=subprocess.STDOUT)
+                    *launch, "--", *[f for f in ARMS[arm] if f not in launch], f"--eval_every={eval_every}"], cwd=ROOT,
+                   check=True, stdout=log, stderr=subprocess.STDOUT)
   if not os.path.exists(first):
     os.symlink(os.path.abspath(run), first)
   return summarize(run)
@@ -64,6 +66,9 @@ def summarize(run):
       steps=steps_, evals=[(r["step"], r["time"] - t0, r["eval_pass@8"]) for r in recs if "eval_pass@8" in r],
       before=json.load(open(os.path.join(run, "eval_before.json"))),
       after=json.load(open(os.path.join(run, "eval_after.json"))), secs=steps_[-1]["time"] - t0,
+      # the trained groups' share scored by the verifier role, and of their verdicts the share the cache answered
+      remote=statistics.mean(r.get("scored_by_verifier", 0.0) for r in steps_),
+      reused=statistics.mean(r.get("verdicts_reused_frac", 0.0) for r in steps_),
       # every group a worker sent was scored: the trained ones, those dropped as stale or zero-variance, and
       # curation's (one group per rated prompt)
       calls=group * (sum(len(r["rollout_ids"]) + r.get("stale_dropped", 0) + r.get("zero_var_dropped", 0)
@@ -119,17 +124,19 @@ def main():
             f"{pct(r['before'], 'pass@1')} -> {pct(r['after'], 'pass@1')}, pass@8 {pct(r['before'], 'pass@8')} -> "
             f"{pct(r['after'], 'pass@8')}; training reward first/last 20 steps "
             f"{statistics.mean(x['reward'] for x in w[:20]):.3f} / {statistics.mean(x['reward'] for x in w[-20:]):.3f};"
+            f" scored by the verifier role {100 * r['remote']:.0f}%, verdicts from the cache {100 * r['reused']:.0f}%;"
             f" held-out pass@8 (step, s, %): {[(s, round(t), round(100 * p8, 1)) for s, t, p8 in r['evals']]}",
             flush=True)
   print(f"\n| arm | held-out pass@8 before -> after | gain (mean, min..max over seeds {a.seeds}) | pass@1 after | "
-        "verifier calls | wall s of the RL steps |\n|---|---|---|---|---|---|")
+        "verifier calls | verdicts from the cache | wall s of the RL steps |\n|---|---|---|---|---|---|---|")
   for arm in arms:
     rs = [res[s, arm] for s in seeds]
     gains = [100 * (r["after"]["pass@8"] - r["before"]["pass@8"]) for r in rs]
     print(f"| {arm} | {statistics.mean(100 * r['before']['pass@8'] for r in rs):.1f} -> "
           f"{statistics.mean(100 * r['after']['pass@8'] for r in rs):.1f} | {statistics.mean(gains):+.1f} "
           f"({min(gains):+.1f}..{max(gains):+.1f}) | {statistics.mean(100 * r['after']['pass@1'] for r in rs):.1f} | "
-          f"{statistics.mean(r['calls'] for r in rs):.0f} | {statistics.mean(r['secs'] for r in rs):.0f} |")
+          f"{statistics.mean(r['calls'] for r in rs):.0f} | {statistics.mean(100 * r['reused'] for r in rs):.0f}% | "
+          f"{statistics.mean(r['secs'] for r in rs):.0f} ({min(r['secs'] for r in rs):.0f}..{max(r['secs'] for r in rs):.0f}) |")
   plot(res, seeds, arms, os.path.join(a.out_dir, "controls.png"))
   print(f"curves: {os.path.join(a.out_dir, 'controls.png')}")
 
