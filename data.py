@@ -750,12 +750,10 @@ class PassRateTracker:
     self.stats[pid] = [n + len(rewards), s + sum(rewards), mean if e is None else self.ema * e + (1 - self.ema) * mean]
 
   def rate(self, pid: str) -> Optional[float]:
-    st = self.stats.get(pid)
-    return None if st is None else st[1] / st[0]
+    return None if (st := self.stats.get(pid)) is None else st[1] / st[0]
 
   def ema_rate(self, pid: str) -> Optional[float]:
-    st = self.stats.get(pid)
-    return None if st is None else st[2]
+    return None if (st := self.stats.get(pid)) is None else st[2]
 
   def state_dict(self) -> dict:
     return {"ema": self.ema, "stats": {k: list(v) for k, v in self.stats.items()}}

@@ -299,7 +299,7 @@ last_error_line() {
 # backoff, never counted toward the give-up rules, which are for deterministic errors (a bad file or flag).
 is_transient() { [[ "$1" =~ ConnectionRefused|ConnectionReset|ConnectionError|BrokenPipe|TimeoutError|No\ space\ left|ENOSPC|StorageError|server\ unreachable ]]; }
 
-declare -A CMDS=() PIDS=() RESTARTS=() LOGPOS=() SAME_ERR=() LAST_ERR=() LEAVING=()
+declare -A CMDS=() PIDS=() RESTARTS=() LOGPOS=() SAME_ERR=() LAST_ERR=() LEAVING=() TRANSIENT=()
 # Roles run in their own session (setsid where it exists): a Ctrl-C in the terminal reaches only launch.sh, which
 # then stops them in order (trainer first, with its final checkpoint; server last) instead of all at once.
 SETSID=(); command -v setsid >/dev/null && SETSID=(setsid)
@@ -364,16 +364,17 @@ elastic() {  # add|remove worker|verifier [--run_dir=D] [N|NAME]: the command's 
   return $rc
 }
 
-stop_roles() {  # SIGTERM the given roles, wait up to 30 s for them to checkpoint / drain, then SIGKILL
-  local name alive
-  for name in "$@"; do kill -TERM "${PIDS[$name]}" 2>/dev/null || true; done
-  for _ in $(seq 1 "${STOP_GRACE_S:-30}"); do
-    alive=0
-    for name in "$@"; do kill -0 "${PIDS[$name]}" 2>/dev/null && alive=1; done
-    [ $alive = 0 ] && break
-    nap 1
-  done
-  for name in "$@"; do kill -KILL "${PIDS[$name]}" 2>/dev/null || true; wait "${PIDS[$name]}" 2>/dev/null || true; done
+term_wait_kill() {  # GRACE_S PID...: SIGTERM, wait up to GRACE_S s for all to exit (checkpoint / drain), SIGKILL
+  [ $# -gt 1 ] || return 0
+  kill -TERM "${@:2}" 2>/dev/null || true
+  for _ in $(seq 1 "$1"); do kill -0 "${@:2}" 2>/dev/null || return 0; nap 1; done  # (true while any is alive)
+  kill -KILL "${@:2}" 2>/dev/null || true
+}
+stop_roles() {  # the given roles, as term_wait_kill (30 s)
+  local name pids=()
+  for name in "$@"; do pids+=("${PIDS[$name]}"); done
+  term_wait_kill "${STOP_GRACE_S:-30}" "${pids[@]}"
+  for name in "$@"; do wait "${PIDS[$name]}" 2>/dev/null || true; done
 }
 
 roles_like() { printf '%s\n' "${!PIDS[@]}" | grep -E "$1" || true; }
@@ -396,21 +397,16 @@ stop_all() {
 # restarting it cannot help, so the run stops with that line instead of crash-looping MAX_RESTARTS times.
 check_deterministic_failure() {  # NAME RC LINE
   local name="$1" line="$3"
-  if [ "$2" != 0 ] && [ -n "$line" ] && [ "$line" = "${LAST_ERR[$name]:-}" ]; then
-    SAME_ERR[$name]=$(( ${SAME_ERR[$name]:-1} + 1 ))
-  else
+  [ "$2" != 0 ] && [ -n "$line" ] && [ "$line" = "${LAST_ERR[$name]:-}" ] && SAME_ERR[$name]=$(( ${SAME_ERR[$name]:-1} + 1 )) ||
     SAME_ERR[$name]=1
-  fi
   LAST_ERR[$name]="$line"
   if [ "${SAME_ERR[$name]}" -ge "${SAME_ERROR_LIMIT:-3}" ]; then
-    echo "launch.sh: $name failed ${SAME_ERR[$name]} times with the same error, stopping the run:" >&2
-    echo "  $line" >&2
-    echo "  (full log: $RUN_DIR/logs/$name.log)" >&2
+    printf 'launch.sh: %s failed %d times with the same error, stopping the run:\n  %s\n  (full log: %s)\n' "$name" \
+      "${SAME_ERR[$name]}" "$line" "$RUN_DIR/logs/$name.log" >&2
     stop_all; exit 1
   fi
 }
 
-declare -A TRANSIENT=()
 supervise() {  # restart any child that died until the trainer writes DONE or someone asks to STOP
   local name line pause
   while [ ! -f "$RUN_DIR/DONE" ] && [ ! -f "$RUN_DIR/STOP" ]; do
@@ -426,8 +422,7 @@ supervise() {  # restart any child that died until the trainer writes DONE or so
         fi
         line=$(last_error_line "$RUN_DIR/logs/$name.log" "${LOGPOS[$name]:-0}")
         if is_transient "$line"; then  # backoff 2, 4, ... 60 s; not counted
-          TRANSIENT[$name]=$(( ${TRANSIENT[$name]:-0} + 1 )); pause=$(( 1 << (TRANSIENT[$name] < 6 ? TRANSIENT[$name] : 6) ))
-          pause=$(( pause > 60 ? 60 : pause ))
+          TRANSIENT[$name]=$(( ${TRANSIENT[$name]:-0} + 1 )); pause=$(( TRANSIENT[$name] < 6 ? 1 << TRANSIENT[$name] : 60 ))
           echo "launch.sh: $name exited (rc=$rc) on a transient error, restarting in ${pause}s: $line" |
             tee -a "$RUN_DIR/logs/supervisor.log"
         else
@@ -596,21 +591,14 @@ run_eval() {
 stop_local() {
   parse_local_flags "$@"
   touch "$RUN_DIR/STOP"
-  local pid f group
+  local pid group
   pid=$(cat "$RUN_DIR/launch.pid" 2>/dev/null || true)
   if [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null; then
     # (a supervisor that has exited but is not yet reaped by its parent is a zombie: done, too)
     while kill -0 "$pid" 2>/dev/null && [ "$(ps -o stat= -p "$pid" 2>/dev/null | cut -c1)" != Z ]; do sleep 0.5; done
   else
-    for group in trainer worker verifier server; do
-      for f in "$RUN_DIR"/pids/"$group"*.pid; do [ -f "$f" ] && kill -TERM "$(cat "$f")" 2>/dev/null || true; done
-      for _ in $(seq 1 "${STOP_GRACE_S:-30}"); do
-        local alive=0
-        for f in "$RUN_DIR"/pids/"$group"*.pid; do [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && alive=1; done
-        [ $alive = 0 ] && break
-        sleep 1
-      done
-      for f in "$RUN_DIR"/pids/"$group"*.pid; do [ -f "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true; rm -f "$f"; done
+    for group in trainer worker verifier shard server; do
+      term_wait_kill "${STOP_GRACE_S:-30}" $(cat "$RUN_DIR"/pids/"$group"*.pid 2>/dev/null); rm -f "$RUN_DIR"/pids/"$group"*.pid
     done
   fi
   echo "stopped $RUN_DIR"
@@ -882,13 +870,9 @@ run_host() {
 }
 
 host_stop() {  # host_stop RUN PREFIX: STOP, SIGTERM the roles PREFIX*, wait for them (checkpoint / drain), SIGKILL
-  local run="$1" pids
+  local run="$1"
   mkdir -p "$run"; touch "$run/STOP"
-  pids=$(cat "$run"/pids/"$2"*.pid 2>/dev/null || true)
-  [ -n "$pids" ] || return 0
-  kill -TERM $pids 2>/dev/null || true
-  for _ in $(seq 1 "${STOP_GRACE_S:-60}"); do kill -0 $pids 2>/dev/null || return 0; sleep 1; done
-  kill -KILL $pids 2>/dev/null || true
+  term_wait_kill "${STOP_GRACE_S:-60}" $(cat "$run"/pids/"$2"*.pid 2>/dev/null || true)
 }
 
 host_status() {  # DONE <step> when the trainer finished; FAILED lines for roles that failed deterministically

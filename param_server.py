@@ -1118,8 +1118,7 @@ class _Queues:
           q.replace(i, *item)
         q.cond.notify_all()
         q.maybe_compact()
-        return {"accepted": list(new), "duplicates": [], "rejected": [], "depth": len(q.ready) + len(q.leased),
-                "unknown": [i for i, _, _ in items if i not in new]}, ()
+        return {"accepted": list(new), "unknown": [i for i, _, _ in items if i not in new]}, ()
       new, new_bytes, dups, rejected, seen = {}, 0, [], [], set()  # new: applied once its records are durable
 
       def room(n):  # acks make room (an expired lease still holds its item's place)
@@ -1143,8 +1142,7 @@ class _Queues:
       if new:
         q.cond.notify_all()
       q.maybe_compact()
-      return {"accepted": list(new), "duplicates": dups, "rejected": rejected,
-              "depth": len(q.ready) + len(q.leased)}, ()
+      return {"accepted": list(new), "duplicates": dups, "rejected": rejected}, ()
 
   def get(self, h, payload):
     q = self.queue(h.get("queue"))
@@ -1574,7 +1572,6 @@ def serve(cfg: ServerConfig, port_file=None):
   while not done.wait(0.1):  # with no timeout, a signal delivered to another thread never woke this one
     pass
   srv.stop()
-  return srv
 
 
 # ----------------------------------------------------------------------------------------------- client

@@ -193,7 +193,6 @@ def define_flags():
               "would be dropped and the trainer would wait forever)")
 
 
-
 # --- Setup -----------------------------------------------------------------------------------------------------------
 
 def setup_mesh():
@@ -570,8 +569,7 @@ def step_record(state, got, collector, trained_version, rewards, lengths, batch,
   """The step's line in metrics.jsonl (lr: the learning rate this step used)."""
   groups = got.groups
   lag = np.asarray([common.policy_lag(trained_version, g.version, collector.forks) for g in groups], int)
-  rec = dict(step=state["step"], time=time.time(),
-             lr=lr,
+  rec = dict(step=state["step"], time=time.time(), lr=lr,
              reward=float(rewards.mean()), reward_std=float(rewards.std()),
              truncated_frac=float((lengths >= FLAGS.max_new_tokens).mean()), pass_rate=float((rewards > 0.5).mean()),
              completion_len=float(lengths.mean()), staleness_mean=float(lag.mean()), staleness_max=int(lag.max()),
@@ -1375,8 +1373,7 @@ class Collector:
   def note_quarantined(self):
     """Prompts the server quarantined (notices in the queues FAILED) count as consumed without
     training, so issue() sends a replacement; each is recorded once in the checkpointed state and its notice
-    acked once that checkpoint commits. Returns how many were new."""
-    new = 0
+    acked once that checkpoint commits."""
     for it in [it for q in FAILED for it in self.client.get(q, max_items=1000, lease_s=self.lease_s)]:
       if it["id"].startswith("e"):  # a held-out prompt the workers kept failing on: out of its round
         self.client.ack(it["queue"] + ".failed", [it["id"]])
@@ -1388,8 +1385,6 @@ class Collector:
         self.quarantined.append(dict(id=it["id"], reason=it["reason"], failures=it["failures"]))
         logging.warning("prompt %s quarantined by the server after %d failures: %s", it["id"], it["failures"],
                         it["reason"][:300])
-        new += 1
-    return new
 
   def curate(self, n, stop):
     """Offline curation through the workers at the base weights: group_size samples of each of the next n

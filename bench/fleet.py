@@ -27,6 +27,11 @@ Then everything stops and the exactly-once check runs on what is on disk: each s
 lineage once, no rollout trained twice, consumed = trained + skipped = the checkpoint's count, every consumed
 rollout acked on the server, no issued prompt lost (consumed, or its rollout or itself still queued).
 
+--verifiers=V adds the verifier role: V processes that run its real step (rollout.score_items: lease from
+"to_score", score, put to "rollouts", ack; an item that fails alone is FAILed) with a simulated verdict (--score_ms
+per completion, 1 with probability 1/2); the workers then put their groups there unscored, and the preemption
+phase picks its victims among workers and verifiers alike.
+
 Every simulated peer connects from 127.0.0.1, so the server runs with its per-peer quotas raised
 (--max_peer_requests, --max_peer_rps): on a pod each worker host is its own peer.
 
@@ -55,6 +60,9 @@ ROOT = benchutil.ROOT
 TOKEN = "fleet-bench-token"
 
 flags.DEFINE_bool("sim_worker", False, "Run one simulated worker (the bench starts these itself). Default False.")
+flags.DEFINE_bool("sim_verifier", False, "Run one simulated verifier (the bench starts these itself). Default False.")
+flags.DEFINE_integer("verifiers", 0, "Verifier processes; 0: the workers score their own groups (count, default 0).")
+flags.DEFINE_float("score_ms", 2.0, "A simulated verifier's time per completion (milliseconds, default 2).")
 flags.DEFINE_string("server", None, "host:port of the server (simulated worker). Default none.")
 flags.DEFINE_string("wid", "sim", "Simulated worker's id (simulated worker). Default sim.")
 flags.DEFINE_string("ready_dir", None, "Directory a simulated worker touches a file in once connected. Default none.")
@@ -69,7 +77,7 @@ flags.DEFINE_float("phase_s", 20.0, "Measured seconds per fleet size (seconds, d
 flags.DEFINE_float("warmup_s", 10.0, "Seconds after a fleet size is reached before measuring (default 10).")
 flags.DEFINE_integer("chaos_workers", 32, "Fleet size during the preemption phase (count, default 32).")
 flags.DEFINE_float("chaos_s", 240.0, "Length of the preemption phase (seconds, default 240; 0 skips it).")
-flags.DEFINE_float("kill_every_s", 0.5, "Seconds between worker preemptions (default 0.5).")
+flags.DEFINE_float("kill_every_s", 0.5, "Seconds between preemptions of a worker or a verifier (default 0.5).")
 flags.DEFINE_float("trainer_every_s", 60.0, "Seconds between trainer preemptions (default 60).")
 flags.DEFINE_integer("prompts_per_step", 256, "Trainer's prompts per step (count, default 256).")
 flags.DEFINE_integer("group_size", 8, "Completions per prompt (count, default 8).")
@@ -123,9 +131,34 @@ def sim_worker():
     rs = [data.Rollout(it.id, version, FLAGS.wid, it.problem, it.prompt_tokens,
                        [rng.integers(0, vocab, size=k).astype(np.int32) for k in n],
                        [-rng.uniform(0.0, 3.0, size=k).astype(np.float32) for k in n],
-                       (rng.random(len(n)) < 0.5).astype(np.float32), gen_s, stats) for it, n in zip(items, lens)]
-    c.put("rollouts", [r.to_wire() for r in rs])
+                       None if FLAGS.verifiers else (rng.random(len(n)) < 0.5).astype(np.float32), gen_s, stats)
+          for it, n in zip(items, lens)]
+    c.put("to_score" if FLAGS.verifiers else "rollouts", [r.to_wire() for r in rs])
     c.ack("prompts", [it.id for it in items])
+
+
+def sim_verifier():
+  """The verifier role's step (rollout.score_items) until SIGTERM, with a simulated verdict."""
+  import rollout  # (jax: only in the verifiers)
+  stop = ps.StopFlag()
+  host, port = FLAGS.server.rsplit(":", 1)
+  c = ps.Client(host, int(port), token=TOKEN, retries=20)
+  rng = np.random.default_rng([FLAGS.seed, zlib.crc32(FLAGS.wid.encode())])
+
+  class Pool:  # what rollout.scored uses of a data.VerifierPool
+    reused = 0
+
+    def score(self, problems, completions):
+      time.sleep(FLAGS.score_ms * 1e-3 * len(completions))
+      return list((rng.random(len(completions)) < 0.5).astype(float))
+
+  pool, tok, failed = Pool(), type("Tok", (), {"decode": staticmethod(lambda ids: "")}), []
+  if FLAGS.ready_dir:
+    open(os.path.join(FLAGS.ready_dir, FLAGS.wid), "w").close()
+  while not stop.requested:
+    items = c.get("to_score", max(1, FLAGS.slots // FLAGS.group_size), wait_s=1.0, lease_s=FLAGS.lease_s,
+                  consumer=True)
+    rollout.score_items(c, tok, pool, items, failed, remote=True)
 
 
 # --- The bench ------------------------------------------------------------------------------------------------------
@@ -144,6 +177,7 @@ class Fleet:
 
   def __init__(self, run, seed):
     self.run, self.rng, self.workers, self.n_started, self.events = run, random.Random(seed), {}, 0, []
+    self.verifiers = {}
     self.gone = []  # stopped workers, reaped at the end; events: (time, what) per trainer preemption
     os.makedirs(os.path.join(run, "logs"), exist_ok=True)
     os.makedirs(os.path.join(run, "ready"), exist_ok=True)
@@ -165,20 +199,22 @@ class Fleet:
     self.env = dict(benchutil.child_env(), JAX_COMPILATION_CACHE_DIR=os.path.join(run, "jax_cache"),
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     self.start_trainer()
+    for _ in range(FLAGS.verifiers):
+      self.add_worker("verifier")
 
   def start_trainer(self):
     self.trainer = subprocess.Popen(self.trainer_cmd, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
                                     stdout=open(os.path.join(self.run, "logs", "trainer.log"), "ab"),
                                     stderr=subprocess.STDOUT)
 
-  def add_worker(self):
-    wid = f"sim{self.n_started}"
+  def add_worker(self, role="worker"):
+    wid = f"{'sim' if role == 'worker' else 'ver'}{self.n_started}"
     self.n_started += 1
-    self.workers[wid] = subprocess.Popen(
-        [sys.executable, "-m", "bench.fleet", "--sim_worker", f"--server=127.0.0.1:{self.port}", f"--wid={wid}",
+    (self.workers if role == "worker" else self.verifiers)[wid] = subprocess.Popen(
+        [sys.executable, "-m", "bench.fleet", f"--sim_{role}", f"--server=127.0.0.1:{self.port}", f"--wid={wid}",
          f"--ready_dir={self.run}/ready", f"--slots={FLAGS.slots}", f"--group_size={FLAGS.group_size}",
          f"--tok_s={FLAGS.tok_s}", f"--seed={FLAGS.seed}", f"--latency_s={FLAGS.latency_s}",
-         f"--lease_s={FLAGS.lease_s}"],
+         f"--lease_s={FLAGS.lease_s}", f"--verifiers={FLAGS.verifiers}", f"--score_ms={FLAGS.score_ms}"],
         cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=open(os.path.join(self.run, "logs", "workers.log"), "ab"))
     return wid
@@ -197,18 +233,21 @@ class Fleet:
       time.sleep(0.2)
 
   def check(self):
-    dead = {w: p.returncode for w, p in self.workers.items() if p.poll() is not None}
+    dead = {w: p.returncode for w, p in {**self.workers, **self.verifiers}.items() if p.poll() is not None}
     if self.trainer.poll() not in (None, -9, 0):
       raise RuntimeError(f"the trainer exited with {self.trainer.returncode} (see {self.run}/logs/trainer.log)")
     if dead:
       raise RuntimeError(f"simulated workers failed: {dead} (see {self.run}/logs/workers.log)")
 
   def preempt_worker(self, sig):
-    wid = self.rng.choice(sorted(self.workers))
-    p = self.workers.pop(wid)
+    """A random worker or verifier; returns its role."""
+    wid = self.rng.choice(sorted({**self.workers, **self.verifiers}))
+    role = "worker" if wid in self.workers else "verifier"
+    p = (self.workers if role == "worker" else self.verifiers).pop(wid)
     p.send_signal(sig)
     self.gone.append(p)
-    self.add_worker()  # a replacement joins (a preempted TPU VM comes back as a fresh worker)
+    self.add_worker(role)  # a replacement joins (a preempted TPU VM comes back as a fresh worker)
+    return role
 
   def preempt_trainer(self, sig):
     self.trainer.send_signal(sig)
@@ -231,15 +270,15 @@ class Fleet:
     return [r for r in out if "rollout_ids" in r]
 
   def cpu(self):
-    workers = sum(cpu_s(p.pid) for p in self.workers.values() if p.poll() is None)
+    workers = sum(cpu_s(p.pid) for p in {**self.workers, **self.verifiers}.values() if p.poll() is None)
     return dict(server=cpu_s(self.server.pid), trainer=cpu_s(self.trainer.pid), workers=workers)
 
   def stop(self):
     self.trainer.send_signal(signal.SIGTERM)
     self.trainer.wait()
-    for p in self.workers.values():
+    for p in [*self.workers.values(), *self.verifiers.values()]:  # (workers first: they drain into to_score)
       p.send_signal(signal.SIGTERM)
-    for p in [*self.workers.values(), *self.gone]:
+    for p in [*self.workers.values(), *self.verifiers.values(), *self.gone]:
       p.wait()
     self.server.send_signal(signal.SIGTERM)
     self.server.wait()
@@ -293,14 +332,14 @@ def chaos(fleet, seconds):
   fleet.resize(FLAGS.chaos_workers)
   t0 = time.time()
   next_w, next_t, kinds = t0 + FLAGS.kill_every_s, t0 + FLAGS.trainer_every_s, [signal.SIGKILL, signal.SIGTERM]
-  n_w = n_t = 0
+  n_w, n_v, n_t = 0, 0, 0
   while time.time() - t0 < seconds:
     now = time.time()
     if now >= next_t:
       fleet.preempt_trainer(kinds[n_t % 2])
       n_t, next_t = n_t + 1, time.time() + FLAGS.trainer_every_s
     elif now >= next_w:
-      fleet.preempt_worker(kinds[n_w % 2])
+      n_v += fleet.preempt_worker(kinds[n_w % 2]) == "verifier"
       n_w, next_w = n_w + 1, now + FLAGS.kill_every_s
     fleet.check()
     time.sleep(0.05)
@@ -311,7 +350,7 @@ def chaos(fleet, seconds):
       raise RuntimeError(f"no trainer step within 600 s of its last restart (see {fleet.run}/logs/trainer.log)")
     fleet.check()
     time.sleep(0.2)
-  return n_w, n_t
+  return n_w - n_v, n_v, n_t
 
 
 def read_state(ckpt_dir):
@@ -380,12 +419,16 @@ def exactly_once(run, per_step):
 def timeline(fleet, t0):
   """The trainer's preemptions in the run's records: when it exited, the step it had reached, the step it resumed
   from, and the groups dropped as stale in the first step after (generated on the dead incarnation's versions)."""
-  recs, out = fleet.records(), []
+  recs, out, prev = fleet.records(), [], 0.0
   for t, what in fleet.events:
-    before = ([0] + [r["step"] for r in recs if r["time"] < t])[-1]  # the newest record's (not the max: a rerun)
+    # The step this incarnation reached: its newest record (not the max: a rerun), or where it resumed from if it
+    # was preempted again before finishing a step (a slow restart).
+    mine = [r["step"] for r in recs if prev < r["time"] < t]
+    before = mine[-1] if mine else (out[-1]["resumed_at"] or 0) if out else 0
     after = next((r for r in recs if r["time"] > t), None)
     out.append(dict(t=round(t - t0, 1), event=what, step=before, resumed_at=after and after["step"] - 1,
                     stale_after=after and after["stale_dropped"], wait_after_s=after and round(after["wait_s"], 1)))
+    prev = t
   return out
 
 
@@ -393,6 +436,8 @@ def main(argv):
   del argv
   if FLAGS.sim_worker:
     return sim_worker()
+  if FLAGS.sim_verifier:
+    return sim_verifier()
   tmp = None if FLAGS.out_dir else tempfile.TemporaryDirectory()
   run = FLAGS.out_dir or tmp.name
   fleet = Fleet(run, FLAGS.seed)
@@ -417,12 +462,13 @@ def main(argv):
     if FLAGS.chaos_s > 0:
       t0, q0 = time.time(), fleet.client.stats()["queues"]["prompts"]["acked"]
       s0 = max((r["step"] for r in fleet.records()), default=0)
-      n_w, n_t = chaos(fleet, FLAGS.chaos_s)
+      n_w, n_v, n_t = chaos(fleet, FLAGS.chaos_s)
       dt, q1 = time.time() - t0, fleet.client.stats()["queues"]["prompts"]["acked"]
-      out["chaos"] = dict(worker_preemptions=n_w, trainer_preemptions=n_t, seconds=dt, finished=(q1 - q0) / dt,
+      out["chaos"] = dict(worker_preemptions=n_w, verifier_preemptions=n_v, trainer_preemptions=n_t, seconds=dt,
+                          finished=(q1 - q0) / dt,
                           steps=max((r["step"] for r in fleet.records()), default=0) - s0, timeline=timeline(fleet, t0))
-      print(f"preemption: {n_w} worker preemptions (SIGKILL / SIGTERM alternately, each replaced by a fresh worker) "
-            f"and {n_t} trainer preemptions in {dt:.0f} s at {FLAGS.chaos_workers} workers; groups finished "
+      print(f"preemption: {n_w} worker and {n_v} verifier preemptions (SIGKILL / SIGTERM alternately, each "
+            f"replaced by a fresh one) and {n_t} trainer preemptions in {dt:.0f} s at {FLAGS.chaos_workers} workers; groups finished "
             f"{out['chaos']['finished']:.1f}/s")
       for e in out["chaos"]["timeline"]:
         print(f"  t={e['t']:6.1f} s  {e['event']}: at step {e['step']}, resumed from step {e['resumed_at']}; "
@@ -434,7 +480,7 @@ def main(argv):
       with open(FLAGS.json, "w") as f:
         json.dump(out, f)
   finally:
-    for p in [fleet.trainer, fleet.server, *fleet.workers.values(), *fleet.gone]:
+    for p in [fleet.trainer, fleet.server, *fleet.workers.values(), *fleet.verifiers.values(), *fleet.gone]:
       p.kill() if p.poll() is None else None
     if tmp:
       tmp.cleanup()

@@ -39,7 +39,3 @@ def split_key(prompt):
 def verify(problem, completion, *_) -> float:
   s = completion.strip()
   return float(re.fullmatch(r"-?\d+", s) is not None and str(int(s)) == s and int(s) == int(problem.answer))
-
-
-def reference(problem):
-  return problem.answer

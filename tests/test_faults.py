@@ -127,12 +127,12 @@ def test_trainer_counts_a_quarantined_prompt_as_done_once():
     col = train.Collector(c, None, None, None, group_size=1, prefetch_steps=1, lease_s=0.2, wait_s=0.0,
                            max_staleness=0, dynamic_sampling=False, band=None)
     col.issued = 2
-    assert col.note_quarantined() == 1
+    col.note_quarantined()
     assert col.quarantined == [dict(id="s0", reason="ValueError: prompt of 100 tokens exceeds max_prompt_len=32",
                                     failures=2)]
     assert col.issued - len(col.ledger) == 1  # so issue() sends a replacement
     time.sleep(0.3)  # the notice's lease expires before the checkpoint acks it: it comes back, counted once
-    assert col.note_quarantined() == 0
+    col.note_quarantined()
     assert len(col.quarantined) == 1 and len(col.ledger) == 1
     assert col.ledger.state_dict() == dict(count=1, gens=[["s0"]])
     col.saved()

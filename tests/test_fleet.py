@@ -1,6 +1,7 @@
-"""bench.fleet end to end at a small size: the real server and trainer with simulated workers, a throughput phase,
-then workers and the trainer preempted (SIGKILL and SIGTERM, real signals to real processes), and the exactly-once
-check on what is on disk; then that check is shown to catch a rollout trained twice."""
+"""bench.fleet end to end at a small size: the real server and trainer with simulated workers and two verifiers (the
+verifier role's real step, a simulated verdict), a throughput phase, then workers, verifiers and the trainer
+preempted (SIGKILL and SIGTERM, real signals to real processes), and the exactly-once check on what is on disk
+(rollouts still waiting to be scored count as queued); then that check is shown to catch a rollout trained twice."""
 import json
 import subprocess
 import sys
@@ -15,14 +16,15 @@ def test_fleet_survives_worker_and_trainer_preemptions_exactly_once(tmp_path):
   run, out = tmp_path / "run", tmp_path / "fleet.json"
   cmd = [sys.executable, "-m", "bench.fleet", "--ns=3", "--phase_s=4", "--warmup_s=2", "--chaos_workers=4",
          "--chaos_s=26", "--kill_every_s=0.5", "--trainer_every_s=9", "--prompts_per_step=8", "--group_size=4",
-         "--max_new_tokens=8", "--tok_s=400", f"--out_dir={run}", f"--json={out}"]
+         "--max_new_tokens=8", "--tok_s=400", "--verifiers=2", f"--out_dir={run}", f"--json={out}"]
   p = subprocess.run(cmd, cwd=benchutil.ROOT, env=benchutil.child_env(), capture_output=True, text=True, timeout=400)
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   res = json.loads(out.read_text())
   row = res["rows"][0]
   assert row["n"] == 3 and row["finished"] > 0 and row["trained"] > 0
   ch = res["chaos"]
-  assert ch["worker_preemptions"] >= 20 and ch["trainer_preemptions"] == 2  # one SIGKILL, one SIGTERM
+  assert ch["worker_preemptions"] >= 12 and ch["verifier_preemptions"] >= 5  # victims drawn among 4 + 2
+  assert ch["trainer_preemptions"] == 2  # one SIGKILL, one SIGTERM
   assert [e["event"].split(" (")[0] for e in ch["timeline"]] == ["trainer SIGKILL", "trainer SIGTERM"]
   # After each restart the trainer trained again: after SIGKILL from its last periodic checkpoint (every 10 steps),
   # after SIGTERM from the step it had reached (its final checkpoint: nothing redone).

@@ -8,8 +8,12 @@ import signal
 import subprocess
 import time
 
+import numpy as np
+
 import data
 import param_server as ps
+import rollout
+import train
 from test_system import ROOT, finish_run, kill9_and_wait_restart, kill_roles, signal_roles, start_run, steps_done
 from test_system import wait_until
 
@@ -44,6 +48,31 @@ def test_server_counts_a_queues_consumers_for_30_seconds():
     with srv.queues.all["to_score"].cond:  # as if they last asked 31 s ago
       srv.queues.all["to_score"].consumers = {k: t - 31 for k, t in srv.queues.all["to_score"].consumers.items()}
     assert c.stats()["queues"]["to_score"]["consumers"] == 0
+  finally:
+    srv.stop()
+
+
+def test_a_rollout_that_cannot_be_scored_fails_alone_and_its_quarantine_reaches_the_trainer(monkeypatch):
+  monkeypatch.setattr(rollout, "FLAGS", type("F", (), {"max_failures_in_a_row": 8}))  # (rollout's flags unparsed here)
+  srv = ps.Server(ps.ServerConfig(token="t", max_failures=2)).start()
+  try:
+    c = ps.Client("127.0.0.1", srv.port, token="t")
+    p = data.Problem("p1", "1+1=", "2", task="arithmetic")
+    good = data.Rollout("s1", 0, "w", p, np.array([2, 5], np.int32), [np.array([7], np.int32)] * 2,
+                        [np.array([-0.5], np.float32)] * 2, None)
+    c.put("to_score", [good.to_wire(), {"id": "s2", "version": 0, "completions": "not a list"}])
+    tok = type("Tok", (), {"decode": staticmethod(lambda ids: "2" if ids == [7] else "")})
+    for _ in range(2):  # the batch fails, then each alone: s1 goes on, s2 is FAILed (re-issued once, then held)
+      rollout.score_items(c, tok, data.VerifierPool(0), c.get("to_score", 10, lease_s=60), [])
+    out = c.get("rollouts", 10)
+    assert [x["id"] for x in out] == ["s1"] and list(data.Rollout.from_wire(out[0]).rewards) == [1.0, 1.0]
+    assert out[0]["scored_by_verifier"] == 0.0 and out[0]["verdicts_reused_frac"] == 0.5
+    assert c.get("to_score", 10) == [] and c.stats()["queues"]["to_score"]["quarantined"] == 1
+    col = train.Collector(c, None, None, None, group_size=2, prefetch_steps=1, lease_s=60, wait_s=0.0,
+                          max_staleness=0, dynamic_sampling=False, band=None)
+    col.note_quarantined()  # the trainer counts the prompt consumed, naming the field that broke it
+    assert [q["id"] for q in col.quarantined] == ["s2"] and "'completions'" in col.quarantined[0]["reason"]
+    assert len(col.ledger) == 1
   finally:
     srv.stop()
 
