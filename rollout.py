@@ -1,4 +1,4 @@
-"""rollout.py: the inference worker (pull weights, generate, score, send rollouts) and pass@k evaluation.
+"""rollout.py: the inference worker (pull weights, generate, score, send rollouts), the verifier role, pass@k eval.
 
 The worker leases prompts from the parameter server, samples group_size completions of each with continuous
 batching (Engine), scores them and puts the rollouts back; newer weights download in the background (Puller) and
@@ -8,6 +8,7 @@ default) exactly what the trainer recomputes; with top-k / top-p the trainer's t
 
 Run:
   worker: python rollout.py --server=127.0.0.1:5555 --token_file=runs/x/token --tokenizer=runs/x/tokenizer.model
+  verifier: the same with --mode=verifier (run_verifier; launch.sh local --verifiers=V starts V)
   eval:   python rollout.py --mode=eval --checkpoint=runs/x/base --tokenizer=runs/x/tokenizer.model \
               --eval_n=200 --k=8 --out=runs/x/eval_before.json
   On a pod launch.sh starts one worker per inference host (launch.sh v5p-N --dry_run shows the commands).
@@ -613,8 +614,7 @@ def send_groups(w, client, tok, pool, rs):
 
 
 def has_verifiers(w, client):
-  """Whether the run has a verifier role now: a process asked "to_score" for work in the last 30 s (the server's
-  stats, read every 5 s)."""
+  """Whether the run has verifiers now: a process asked "to_score" for work in the last 30 s (server stats, every 5 s)."""
   if time.time() - w.scoring[0] > 5:
     q = client.stats()["queues"].get("to_score", {})
     w.scoring = (time.time(), q.get("consumers", 0), q.get("ready", 0))

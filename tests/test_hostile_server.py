@@ -191,7 +191,7 @@ def test_a_stale_lease_holder_can_neither_ack_fail_release_nor_requeue():
     assert b.release("prompts", [dict(id="p1", x=3)]) == {"released": 1, "unknown": []}
     assert b.ack("prompts", ["p0"])["acked"] == 1
     assert b.stats()["queues"]["prompts"] == dict(ready=1, leased=0, acked=1, bytes=0, failing=0, quarantined=0,
-                                                  damaged_records=0)
+                                                  damaged_records=0, consumers=0)
   finally:
     srv.stop()
 
