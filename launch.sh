@@ -179,9 +179,7 @@ total_steps() {
   echo "${STEPS:-$n}"
 }
 die() { echo "launch.sh: $*" >&2; exit 2; }
-# The wait builtin returns at once on a trapped signal and its trap runs; a foreground sleep defers the trap to
-# its end, through bash's wait-and-cooperative-exit logic, where a SIGINT to this script alone was once lost (CI).
-nap() { sleep "$1" & local p=$!; wait "$p" 2>/dev/null || kill "$p" 2>/dev/null || true; }
+nap() { sleep "$1" & local p=$!; wait "$p" 2>/dev/null || kill "$p" 2>/dev/null || true; }  # a trap cuts a wait short
 usage() {  # this file's header comment
   sed -n '2,/^set -euo pipefail/p' "$ROOT/launch.sh" | sed -e '$d' -e 's/^# \{0,1\}//'
   echo "The scripts' own flags (after --, or in --worker_args): python train.py --helpfull, python rollout.py" \

@@ -665,7 +665,7 @@ def run_verifier():
   while not stop.requested:
     items = client.get("to_score", FLAGS.slots, wait_s=2.0, lease_s=FLAGS.score_lease_s, consumer=True)
     n += score_items(client, tok, pool, items, failed, remote=True)
-    if items and n // 100 > (n - len(items)) // 100:
+    if items and (n == len(items) or n // 100 > (n - len(items)) // 100):  # the first batch, then every 100
       logging.info("verifier %s: %d groups scored, %.0f%% of verdicts reused", FLAGS.worker_id, n,
                    100 * pool.reused / max(pool.reused + pool.ran, 1))
   logging.info("verifier %s stopped after %d groups", FLAGS.worker_id, n)

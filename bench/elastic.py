@@ -1,4 +1,5 @@
-"""Benchmark: workers joining and leaving a running job (`launch.sh add-worker` / `remove-worker`), per event.
+"""Benchmark: workers or verifiers joining and leaving a running job (`launch.sh add-worker` / `remove-worker`,
+`add-verifier` / `remove-verifier`), per event.
 
 Starts a real `bash launch.sh local` (server, trainer, --workers workers under the launcher's supervisor) in a fresh
 run dir with a demo-shaped policy (random weights; or --base=DIR, e.g. runs/local/base after `launch.sh local`), waits
@@ -23,6 +24,11 @@ one with the filled cache, interleaved, each time adding one worker and removing
               were refused as no longer its prompts: lost); continued: of those, what the next workers resumed (the
               resumed_tokens of each id's accepted rollout); lost = (kept - stored) + (stored - continued) over the
               ids that came back as rollouts; pending: stored tokens of ids not yet back when the run was stopped.
+--role=verifier: the run starts with one verifier (the workers then send every group to the queue "to_score"), and
+each round adds one verifier and removes it: join_s is `add-verifier` called -> its log's first "groups scored" line
+(written after the batch's put and ack; process up: its "serving" line), leave_s `remove-verifier` called -> its
+process gone (it finishes the batch in hand: nothing is handed back; its "stopped after" line). A verifier compiles
+nothing, so there is no cold/warm split; the exactly-once check says nothing was lost.
 With rollout.py's default --drain_s=10 the groups in flight may finish before the worker leaves (then nothing is
 handed back and leave_s includes their decode); --drain_s=0 (this bench's default) measures the hand-back itself.
 The run is then stopped in order (`launch.sh stop`; --steps only bounds it) and tools/plot.py's exactly-once check
@@ -30,6 +36,7 @@ is printed. Prints every event, then median and min-max per cache condition.
 
   python -m bench.elastic --reps=3
   python -m bench.elastic --reps=2 --drain_s=10 --base=runs/local/base
+  python -m bench.elastic --role=verifier --reps=4
 """
 import json
 import os
@@ -109,15 +116,18 @@ class Watch:
 
 
 def log_times(path, name):
-  """{event: time} from a worker's log (absl's local-time prefix, e.g. I1207 02:54:13.632939): the first line of
-  each event. The bench prints a missing one as -1 s (not logged)."""
-  marks = {"started": f"worker {name} waiting for weights", "ready": f"worker {name}: v",
-           "sigterm": f"worker {name}: SIGTERM, draining", "stopped": f"worker {name} stopped after"}
+  """{event: time} from a worker's or verifier's log (absl's local-time prefix, e.g. I1207 02:54:13.632939): the
+  first line of each event. The bench prints a missing one as -1 s (not logged)."""
+  marks = ({"started": f"verifier {name}: serving", "ready": f"verifier {name}: ", "first": "groups scored",
+            "stopped": f"verifier {name} stopped after"} if name.startswith("verifier") else
+           {"started": f"worker {name} waiting for weights", "ready": f"worker {name}: v",
+            "sigterm": f"worker {name}: SIGTERM, draining", "stopped": f"worker {name} stopped after"})
+  first = marks.pop("first", "")
   year, out = time.localtime().tm_year, {}
   for line in open(path, errors="replace"):
     m = re.match(r"[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+)", line)
     for k, text in marks.items():
-      if m and k not in out and text in line:
+      if m and k not in out and text in line and (k != "ready" or first in line):
         mo, d, hh, mm, ss, us = map(int, m.groups())
         out[k] = time.mktime((year, mo, d, hh, mm, ss, 0, 0, -1)) + us / 1e6
   return out
@@ -171,11 +181,16 @@ def join(run, watch, launch, cold):
       p = os.path.join(cache, f)
       shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
   t0 = time.time()
-  r = launcher("add-worker", run)
-  if r.returncode != 0 or not re.search(r"started (worker\d+)", r.stdout):
-    raise RuntimeError(f"add-worker failed (rc={r.returncode}): {r.stdout}{r.stderr}")
-  name = re.search(r"started (worker\d+)", r.stdout).group(1)
+  r = launcher(f"add-{FLAGS.role}", run)
+  if r.returncode != 0 or not re.search(rf"started ({FLAGS.role}\d+)", r.stdout):
+    raise RuntimeError(f"add-{FLAGS.role} failed (rc={r.returncode}): {r.stdout}{r.stderr}")
+  name = re.search(rf"started ({FLAGS.role}\d+)", r.stdout).group(1)
   pid = int(open(os.path.join(run, "pids", f"{name}.pid")).read())
+  if FLAGS.role == "verifier":
+    path = os.path.join(run, "logs", f"{name}.log")
+    wait(lambda: "ready" in log_times(path, name), f"a scored batch from {name}", watch, launch, FLAGS.timeout_s)
+    lt = log_times(path, name)
+    return dict(name=name, pid=pid, join_s=lt["ready"] - t0, started_s=lt.get("started", t0 - 1) - t0)
   wait(lambda: name in watch.first, f"rollout from {name}", watch, launch, FLAGS.timeout_s)
   lt = log_times(os.path.join(run, "logs", f"{name}.log"), name)
   t, js = watch.first[name]
@@ -189,7 +204,7 @@ def leave(run, watch, launch, ev):
   wait(lambda: time.time() >= t_end, "the settle time", watch, launch, FLAGS.settle_s + 5)
   n_rel = len(watch.releases)
   t0 = time.time()
-  cli = subprocess.Popen(["bash", "launch.sh", "remove-worker", f"--run_dir={run}", ev["name"]], cwd=ROOT,
+  cli = subprocess.Popen(["bash", "launch.sh", f"remove-{FLAGS.role}", f"--run_dir={run}", ev["name"]], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   t_exit = t_cli = None
   while t_exit is None or t_cli is None:
@@ -197,13 +212,13 @@ def leave(run, watch, launch, ev):
     t_exit = t_exit or (None if alive(ev["pid"]) else time.time())
     t_cli = t_cli or (None if cli.poll() is None else time.time())
     if time.time() - t0 > 120:
-      raise RuntimeError(f"{ev['name']} still there 120 s after remove-worker")
+      raise RuntimeError(f"{ev['name']} still there 120 s after remove-{FLAGS.role}")
     time.sleep(0.02)
   out, err = cli.communicate()
   if cli.returncode != 0 or "exited" not in out:
-    raise RuntimeError(f"remove-worker failed (rc={cli.returncode}): {out}{err}")
+    raise RuntimeError(f"remove-{FLAGS.role} failed (rc={cli.returncode}): {out}{err}")
   watch.poll()
-  rel = watch.releases[n_rel:]
+  rel = watch.releases[n_rel:] if FLAGS.role == "worker" else []  # (a verifier hands back nothing)
   log = open(os.path.join(run, "logs", f"{ev['name']}.log")).read()
   lt = log_times(os.path.join(run, "logs", f"{ev['name']}.log"), ev["name"])
   m = re.findall(r"handed back (\d+) partial rollouts \((\d+) generated tokens kept; (\d+) no longer ours", log)
@@ -230,6 +245,8 @@ def fmt(v, unit=" s"):
 
 
 def define_flags():  # here, not at import: tests import the log reader above
+  flags.DEFINE_enum("role", "worker", ["worker", "verifier"], "Which role joins and leaves (the run starts with one "
+                    "verifier when it is verifier). Default worker.")
   flags.DEFINE_integer("reps", 2, "Rounds of (cold join + leave, warm join + leave) (count). Default 2.")
   flags.DEFINE_integer("workers", 1, "Workers the run starts with (count; the paced prompts go to more workers "
                        "the more there are, and a joiner with none in flight has nothing to hand back). Default 1.")
@@ -261,7 +278,7 @@ def main(argv):
   env.pop("JAX_COMPILATION_CACHE_DIR", None)  # launch.sh's own: RUN_DIR/jax_cache
   cmd = ["bash", "launch.sh", "local", f"--run_dir={run}", f"--steps={FLAGS.steps}", "--skip_eval", "--no_chaos",
          f"--workers={FLAGS.workers}", f"--max_new_tokens={FLAGS.max_new_tokens}",
-         f"--worker_args=--drain_s={FLAGS.drain_s}", "--", *FLAGS.train_args.split()]
+         f"--verifiers={int(FLAGS.role == 'verifier')}", f"--worker_args=--drain_s={FLAGS.drain_s}", "--", *FLAGS.train_args.split()]
   print(f"run: {' '.join(cmd)}\nload average at start: {open('/proc/loadavg').read().split()[:3]}", flush=True)
   log = open(os.path.join(run, "launch.log"), "w")
   launch = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -269,11 +286,20 @@ def main(argv):
   try:
     wait(lambda: all(f"worker{i}" in watch.first for i in range(FLAGS.workers)), "rollout from every initial worker",
          watch, launch, FLAGS.timeout_s)
+    v0 = os.path.join(run, "logs", "verifier0.log")
+    if FLAGS.role == "verifier":  # the workers send to "to_score" once the first verifier has asked for work
+      wait(lambda: os.path.exists(v0) and "ready" in log_times(v0, "verifier0"), "a scored batch from verifier0",
+           watch, launch, FLAGS.timeout_s)
     for r in range(FLAGS.reps):
-      for cold in (True, False):
+      for cold in ((True, False) if FLAGS.role == "worker" else (None,)):
         ev = join(run, watch, launch, cold)
-        ev = leave(run, watch, launch, dict(ev, cache="cold" if cold else "warm", round=r))
+        ev = leave(run, watch, launch, dict(ev, cache={True: "cold", False: "warm", None: "-"}[cold], round=r))
         events.append(ev)
+        if FLAGS.role == "verifier":
+          print(f"round {r}: {ev['name']} join {ev['join_s']:.2f} s (process up {ev['started_s']:.2f} s); leave "
+                f"{ev['leave_s']:.2f} s (stopped after its batch {ev['stopped_s']:.2f}, command returned "
+                f"{ev['cli_s']:.2f}: {ev['answer']!r})", flush=True)
+          continue
         hb = "-" if ev["handback_s"] is None else f"{ev['handback_s']:.2f} s"
         print(f"round {r} {ev['cache']}: {ev['name']} join {ev['join_s']:.2f} s (process up {ev['started_s']:.2f}, "
               f"weights and engine {ev['ready_s']:.2f}, its first group's decode {ev['first_gen_s']:.2f} s; since "
@@ -290,19 +316,23 @@ def main(argv):
       os.killpg(launch.pid, signal.SIGKILL)
     watch.poll()
   print(f"load average at end: {open('/proc/loadavg').read().split()[:3]}")
-  for ev in events:
+  for ev in events if FLAGS.role == "worker" else ():
     ev.update(tokens(ev, watch))
     print(f"round {ev['round']} {ev['cache']}: tokens kept {ev['kept']}, stored {ev['stored']}, continued "
           f"{ev['continued']}, lost {ev['lost']}, pending at the stop {ev['pending']}; refused hand-backs "
           f"{ev['refused']}; drained and stopped cleanly: {ev['drained']}")
-  for cache in ("cold", "warm"):
+  for cache in ("cold", "warm", "-"):
     evs = [e for e in events if e["cache"] == cache]
+    if not evs:
+      continue
     print(f"{cache} cache: join_s {fmt([e['join_s'] for e in evs])}; of which up to its process's first log line "
-          f"{fmt([e['started_s'] for e in evs])}, to weights and engine {fmt([e['ready_s'] for e in evs])}")
+          f"{fmt([e['started_s'] for e in evs])}" + (f", to weights and engine {fmt([e['ready_s'] for e in evs])}"
+                                                      if FLAGS.role == "worker" else ""))
   col = lambda k: [e[k] for e in events if e[k] is not None]  # noqa: E731
   print(f"leave_s {fmt(col('leave_s'))}; hand-back {fmt(col('handback_s'))}; command {fmt(col('cli_s'))}")
-  print(f"tokens lost per leave {fmt(col('lost'), '')}; kept per leave {fmt(col('kept'), '')} "
-        f"(drain_s={FLAGS.drain_s}, max_new_tokens={FLAGS.max_new_tokens})")
+  if FLAGS.role == "worker":
+    print(f"tokens lost per leave {fmt(col('lost'), '')}; kept per leave {fmt(col('kept'), '')} "
+          f"(drain_s={FLAGS.drain_s}, max_new_tokens={FLAGS.max_new_tokens})")
   chk = plot.exactly_once(plot.read_jsonl(os.path.join(run, "metrics.jsonl")))
   print(f"exactly once: {chk['rollouts']} rollouts in {chk['steps']} steps, twice-trained {chk['twice_trained']}, "
         f"missing steps {len(chk['missing_steps'])}")
