@@ -36,7 +36,7 @@ is printed. Prints every event, then median and min-max per cache condition.
 
   python -m bench.elastic --reps=3
   python -m bench.elastic --reps=2 --drain_s=10 --base=runs/local/base
-  python -m bench.elastic --role=verifier --reps=4
+  python -m bench.elastic --role=verifier --reps=5
 """
 import json
 import os
@@ -117,17 +117,16 @@ class Watch:
 
 def log_times(path, name):
   """{event: time} from a worker's or verifier's log (absl's local-time prefix, e.g. I1207 02:54:13.632939): the
-  first line of each event. The bench prints a missing one as -1 s (not logged)."""
-  marks = ({"started": f"verifier {name}: serving", "ready": f"verifier {name}: ", "first": "groups scored",
+  first line of each event (a regular expression per event). The bench prints a missing one as -1 s (not logged)."""
+  marks = ({"started": f"verifier {name}: serving", "ready": rf"verifier {name}: \d+ groups scored",
             "stopped": f"verifier {name} stopped after"} if name.startswith("verifier") else
            {"started": f"worker {name} waiting for weights", "ready": f"worker {name}: v",
             "sigterm": f"worker {name}: SIGTERM, draining", "stopped": f"worker {name} stopped after"})
-  first = marks.pop("first", "")
   year, out = time.localtime().tm_year, {}
   for line in open(path, errors="replace"):
     m = re.match(r"[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+)", line)
     for k, text in marks.items():
-      if m and k not in out and text in line and (k != "ready" or first in line):
+      if m and k not in out and re.search(text, line):
         mo, d, hh, mm, ss, us = map(int, m.groups())
         out[k] = time.mktime((year, mo, d, hh, mm, ss, 0, 0, -1)) + us / 1e6
   return out
@@ -278,7 +277,8 @@ def main(argv):
   env.pop("JAX_COMPILATION_CACHE_DIR", None)  # launch.sh's own: RUN_DIR/jax_cache
   cmd = ["bash", "launch.sh", "local", f"--run_dir={run}", f"--steps={FLAGS.steps}", "--skip_eval", "--no_chaos",
          f"--workers={FLAGS.workers}", f"--max_new_tokens={FLAGS.max_new_tokens}",
-         f"--verifiers={int(FLAGS.role == 'verifier')}", f"--worker_args=--drain_s={FLAGS.drain_s}", "--", *FLAGS.train_args.split()]
+         f"--verifiers={int(FLAGS.role == 'verifier')}", f"--worker_args=--drain_s={FLAGS.drain_s}", "--",
+         *FLAGS.train_args.split()]
   print(f"run: {' '.join(cmd)}\nload average at start: {open('/proc/loadavg').read().split()[:3]}", flush=True)
   log = open(os.path.join(run, "launch.log"), "w")
   launch = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -286,8 +286,8 @@ def main(argv):
   try:
     wait(lambda: all(f"worker{i}" in watch.first for i in range(FLAGS.workers)), "rollout from every initial worker",
          watch, launch, FLAGS.timeout_s)
-    v0 = os.path.join(run, "logs", "verifier0.log")
     if FLAGS.role == "verifier":  # the workers send to "to_score" once the first verifier has asked for work
+      v0 = os.path.join(run, "logs", "verifier0.log")
       wait(lambda: os.path.exists(v0) and "ready" in log_times(v0, "verifier0"), "a scored batch from verifier0",
            watch, launch, FLAGS.timeout_s)
     for r in range(FLAGS.reps):
