@@ -471,6 +471,11 @@ run_local() {
     [ $EVAL_BUILTIN = 1 ] && eval_flags=("${DEMO_EVAL_FLAGS[@]}")
   fi
   rl_flags+=(--seed="$SEED")
+  eval_flags+=(--max_new_tokens="$MAX_NEW" --template="$TEMPLATE")
+  [ -n "$EVAL_JSONL" ] && eval_flags+=(--eval_jsonl="$EVAL_JSONL")
+  local wf; for wf in $WORKER_ARGS "${EXTRA[@]}"; do  # eval scores and samples as the workers do (the trainer's T)
+    case "$wf" in --math_strict*|--nomath_strict|--temperature=*) eval_flags+=("$wf") ;; esac
+  done
   [ $PRINT_SETTINGS = 1 ] && { print_settings; return; }
   check_flags train.py "${rl_flags[@]}" --max_new_tokens="$MAX_NEW" --template="$TEMPLATE" ${STEPS:+--steps=$STEPS} \
     "${EXTRA[@]}"
@@ -495,11 +500,6 @@ run_local() {
     run_fg "$PY" train.py --mode=sft --run_dir="$RUN_DIR" --tokenizer="$TOKENIZER" "${DEMO_TASK_FLAGS[@]}" "${DEMO_SFT_FLAGS[@]}" --seed="$SEED" \
       >"$RUN_DIR/logs/sft.log" 2>&1 || { tail -20 "$RUN_DIR/logs/sft.log"; exit 1; }
   fi
-  eval_flags+=(--max_new_tokens="$MAX_NEW" --template="$TEMPLATE")
-  [ -n "$EVAL_JSONL" ] && eval_flags+=(--eval_jsonl="$EVAL_JSONL")
-  local wf; for wf in $WORKER_ARGS; do  # eval scores as the workers do
-    case "$wf" in --math_strict*|--nomath_strict) eval_flags+=("$wf") ;; esac
-  done
   if [ $SKIP_EVAL = 0 ] && [ ! -f "$RUN_DIR/eval_before.json" ]; then
     echo "== pass@k of the base policy on held-out problems"
     run_eval "$base" before

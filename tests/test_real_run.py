@@ -62,7 +62,7 @@ def test_real_checkpoint_gsm8k_jsonl_run(tmp_path):
          f"--eval_jsonl={evalf}", f"--steps={STEPS}", "--workers=1",
          f"--port={free_port()}", "--worker_args=--slots=4 --verifier_workers=1",
          "--", "--prompts_per_step=2", "--group_size=2", "--lr=1e-4", f"--memory_gb={MEMORY_GB}",
-         "--eval_every=1"]
+         "--eval_every=1", "--temperature=0.9"]
   p = subprocess.run(cmd, cwd=ROOT, env=benchutil.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                      text=True, timeout=600)
   assert p.returncode == 0, p.stdout[-3000:]
@@ -70,6 +70,8 @@ def test_real_checkpoint_gsm8k_jsonl_run(tmp_path):
   sup = os.path.join(run, "logs", "supervisor.log")
   assert not os.path.exists(sup) or "worker0 exited" not in open(sup).read()  # the worker never died
   assert "pass@1" in p.stdout and os.path.exists(os.path.join(run, "eval_after.json")), p.stdout[-2000:]
+  # The before/after evals sample as the rollouts do: at the trainer's --temperature, not the eval's default 1.0.
+  assert [json.load(open(os.path.join(run, f"eval_{w}.json")))["temperature"] for w in ("before", "after")] == [0.9] * 2
   assert f"{train}:4" in trainer_log and "skipped 1 of 8" in trainer_log
   # Defaults that fit: the 1024-token default completion budget would not fit the 512 positions, and one
   # micro-batch would not fit the memory budget; both adapt with no flag.
@@ -104,4 +106,4 @@ def test_real_checkpoint_gsm8k_jsonl_run(tmp_path):
   tok = AutoTokenizer.from_pretrained(final)
   assert tok.eos_token == "<|im_end|>" and len(tok) > 200
   assert AutoModelForCausalLM.from_pretrained(final).config.vocab_size == len(tok)
-  assert os.path.exists(os.path.join(final, "generation_config.json"))
+  assert json.load(open(os.path.join(final, "generation_config.json")))["temperature"] == 0.9
