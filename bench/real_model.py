@@ -30,6 +30,7 @@ import sys
 import numpy as np
 
 from bench.util import ROOT, child_env
+import common
 
 NAMES = ["Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Jack", "Emma", "Noah", "Zoe", "Leo", "Ava"]
 THINGS = ["apples", "books", "pens", "cookies", "stickers", "marbles", "cards", "shells", "coins", "stamps"]
@@ -64,9 +65,8 @@ def candidates():
           "word problem, \\boxed{}, non-strict, T=0.7": (boxed, False, 0.7)}
 
 
-def write_jsonl(path, rows):
-  with open(path, "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in rows)
+def write_jsonl(path, rows):  # atomic: a running seed's trainer may be reading the same file
+  common.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
 
 
 def main():
