@@ -158,13 +158,13 @@ def plot(rows, path):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
-  for r in rows:
+  for c, r in enumerate(rows):
     x = [s["step"] for s in r["steps"]]
-    ax.plot(x, [s["reward"] for s in r["steps"]], label=f"seed {r['seed']}")
+    ax.plot(x, [s["reward"] for s in r["steps"]], color=f"C{c}", label=f"seed {r['seed']}")
     n = len(x)
     for k, style in (("pass@1", "-o"), ("pass@8", "--s")):
       pts = [(0, r["before"][k])] + [(d["step"], d["eval_" + k]) for d in r["during"]] + [(n, r["after"][k])]
-      bx.plot(*zip(*[(s, 100 * v) for s, v in pts]), style, label=f"seed {r['seed']} {k}")
+      bx.plot(*zip(*[(s, 100 * v) for s, v in pts]), style, color=f"C{c}", label=f"seed {r['seed']} {k}")
   ax.set(xlabel="step", ylabel="mean reward of the step's rollouts", title="SmolLM2-135M-Instruct, GRPO: training reward")
   bx.set(xlabel="step", ylabel="%", title="held-out pass@1 / pass@8 (50 problems)")
   ax.legend(), bx.legend(fontsize=7)
