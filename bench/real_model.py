@@ -35,6 +35,7 @@ import common
 NAMES = ["Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Jack", "Emma", "Noah", "Zoe", "Leo", "Ava"]
 THINGS = ["apples", "books", "pens", "cookies", "stickers", "marbles", "cards", "shells", "coins", "stamps"]
 ASK = " End your reply with 'The answer is N.'"
+P_MAX = 9  # the run's word problems: 2 <= p, q <= P_MAX (the probe's first rows go to p <= 20)
 
 
 def word_problems(split, n, seed=0, p_max=20, q_max=9):
@@ -55,7 +56,7 @@ def candidates():
   """name -> (rows, strict scoring, sampling temperature)."""
   rng = random.Random(0)
   b = [(rng.randint(10, 99), rng.randint(1, 9)) for _ in range(50)]
-  wp, small = word_problems("heldout", 50), word_problems("heldout", 50, p_max=9)
+  wp, small = word_problems("heldout", 50), word_problems("heldout", 50, p_max=P_MAX)
   boxed = [dict(d, prompt=d["prompt"].replace(ASK, " Put the final answer in \\boxed{}.")) for d in wp]
   sums = [dict(id=str(i), task="math", answer=str(x + y), prompt=f"What is {x} + {y}?{ASK}") for i, (x, y) in enumerate(b)]
   return {"word problem, 'answer is N', T=1": (wp, False, 1.0), "word problem, 'answer is N', T=0.7": (wp, False, 0.7),
@@ -66,7 +67,7 @@ def candidates():
 
 
 def write_jsonl(path, rows):  # atomic: a running seed's trainer may be reading the same file
-  common.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+  common.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def main():
@@ -104,8 +105,8 @@ def main():
             f"{100 * r['pass@8']:.1f} ({100 * r['pass@8_se']:.1f}) |", flush=True)
     return
   data = os.path.abspath(a.out_dir)
-  write_jsonl(os.path.join(data, "train.jsonl"), word_problems("train", 2000, p_max=9))
-  write_jsonl(os.path.join(data, "heldout.jsonl"), word_problems("heldout", 50, p_max=9))
+  write_jsonl(os.path.join(data, "train.jsonl"), word_problems("train", 2000, p_max=P_MAX))
+  write_jsonl(os.path.join(data, "heldout.jsonl"), word_problems("heldout", 50, p_max=P_MAX))
   rows = []
   for seed in [int(s) for s in a.seeds.split(",")]:
     run = os.path.join(data, f"seed{seed}")
@@ -161,9 +162,8 @@ def plot(rows, path):
   for c, r in enumerate(rows):
     x = [s["step"] for s in r["steps"]]
     ax.plot(x, [s["reward"] for s in r["steps"]], color=f"C{c}", label=f"seed {r['seed']}")
-    n = len(x)
     for k, style in (("pass@1", "-o"), ("pass@8", "--s")):
-      pts = [(0, r["before"][k])] + [(d["step"], d["eval_" + k]) for d in r["during"]] + [(n, r["after"][k])]
+      pts = [(0, r["before"][k])] + sorted((step, e[k]) for step, e in r["evals"].items())
       bx.plot(*zip(*[(s, 100 * v) for s, v in pts]), style, color=f"C{c}", label=f"seed {r['seed']} {k}")
   ax.set(xlabel="step", ylabel="mean reward of the step's rollouts", title="SmolLM2-135M-Instruct, GRPO: training reward")
   bx.set(xlabel="step", ylabel="%", title="held-out pass@1 / pass@8 (50 problems)")
@@ -171,6 +171,7 @@ def plot(rows, path):
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   print("wrote", path)
+
 
 if __name__ == "__main__":
   main()

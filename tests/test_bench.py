@@ -112,13 +112,13 @@ def test_kernel_bench_reference_cases_run(capsys):
 def test_real_model_heldout_numbers_never_in_training():
   import re
   from bench import real_model
-  # The run's data (p, q <= 9): no held-out {p, q} in training in either order (no commuted twins).
+  # The run's data (p, q <= P_MAX): no held-out {p, q} in training in either order (no commuted twins).
   pairs = lambda split, n: {tuple(sorted(map(int, re.findall(r"\d+", d["prompt"])[:2])))  # noqa: E731
-                            for d in real_model.word_problems(split, n, p_max=9)}
+                            for d in real_model.word_problems(split, n, p_max=real_model.P_MAX)}
   train, held = pairs("train", 2000), pairs("heldout", 50)
   assert held and not train & held
   assert all(d["answer"] == str(sum(map(int, re.findall(r"\d+", d["prompt"])[:2])))
-             for d in real_model.word_problems("heldout", 50, p_max=9))
+             for d in real_model.word_problems("heldout", 50, p_max=real_model.P_MAX))
 
 
 def test_link_bench_crosses_a_shaped_veth_and_removes_its_namespaces():
