@@ -1,31 +1,41 @@
 """Benchmark: the fleet simulator (issue 42 item 4). The real parameter server (`param_server.py`, queue logs on
-disk), the real trainer (`train.py --mode=rl`: ledger, pacing, checkpoints, a tiny random model on CPU) and N
-simulated inference workers: processes that speak the real protocol (manifest, lease prompts, put rollouts, ack,
-hand back on SIGTERM) and emit rollouts at a configured speed, with no model. What it answers on one box: how
-rollout throughput grows with N, what bounds it (the fleet, the trainer's staleness window, the trainer's step, or
-the server), and whether exactly-once survives hundreds of preemptions.
+disk), the real trainer (`train.py --mode=rl`: ledger, pacing, checkpoints, a small random model on CPU, sized by
+--d_model and --layers, which publishes every version to that server) and N simulated inference workers: processes
+that speak the real protocol (pull every weight version, lease prompts, put rollouts, ack, hand back on SIGTERM)
+and emit rollouts at a configured speed, with no model. What it answers on one box: how rollout throughput grows
+with N, what bounds it (the fleet, the trainer's staleness window, the trainer's step, or the server, weight
+serving included), and whether exactly-once survives hundreds of preemptions.
 
 A simulated worker leases --slots // group_size prompts at a time, "generates" them for latency_s + tokens /
 tok_s (tokens: the batch's completion tokens, each completion uniform in [M/2, M]; tok_s: the batch's aggregate
 decode rate), rewards each completion 1 with probability 1/2 (so dynamic sampling keeps almost every group), puts
-the rollouts in one request, acks the prompts, and reads the newest manifest once per batch to tag the next
-(weights are not pulled: the weight path has its own benches, bench.link and bench.sharded). On SIGTERM it
-hands its leased prompts back at once; kill -9 leaves them leased until --lease_s.
+the rollouts in one request, acks the prompts, and tags each batch with the newest version it holds. A background
+thread does what the real worker's Puller does: long-polls for a newer manifest and pulls every tensor whole with
+param_server.pull_slices, as a delta against the version held (the first in full). Real: the bytes on the socket
+and the server's work (cutting, delta builds, framing, crc). Not simulated: applying them (the patches are
+dropped; bench.sharded measures the apply). --pull=false: the old behaviour, the newest manifest read once per
+batch and no bytes pulled. On SIGTERM it hands its leased prompts back at once; kill -9 leaves them leased until
+--lease_s.
 
 Phase 1, throughput vs N: one trainer runs throughout (its first 3 steps, compiles, run with --chaos_workers
 workers); the fleet goes through --ns, --phase_s per size (after --warmup_s). Per phase: groups the workers
 finished per second (the server's prompt acks: rollout throughput), groups and tokens trained per second
 (between the phase's first and last step records), the fleet's ideal (N x one worker's rate), the trainer's
 wait fraction, the prompts in flight against the pacing window (min(prefetch_steps, max_staleness) x
-prompts_per_step / keep rate), and the CPU (cores) used by the server, the trainer and the simulated workers, read
-from /proc.
+prompts_per_step / keep rate), the CPU (cores) used by the server, the trainer and the simulated workers, read
+from /proc, and the weight sync, from the workers' pull logs (RUN/ready/WID.pulls, a JSON line per pull): the
+versions and pulls in the phase, the server's weight egress (bytes pulled / s; delta / full: the bytes against a
+full pull's), the median pull (manifest arrived to version held), the median fleet sync (a version's first
+worker's manifest arrival to its last worker holding it), and the server's CPU per MB pulled (all its work,
+the rollout path included: compare --pull=false for the weights' share).
 Phase 2, preemption: --chaos_workers workers for --chaos_s; every --kill_every_s a random worker gets SIGKILL or
 SIGTERM (alternating) and a fresh one starts; every --trainer_every_s the trainer gets SIGTERM or SIGKILL
 (alternating) and is restarted with the same command (it resumes from its last checkpoint), as launch.sh's
 supervisor does. It prints the timeline (event, time, step reached).
 Then everything stops and the exactly-once check runs on what is on disk: each step 1..S in the surviving
 lineage once, no rollout trained twice, consumed = trained + skipped = the checkpoint's count, every consumed
-rollout acked on the server, no issued prompt lost (consumed, or its rollout or itself still queued).
+rollout acked on the server, no issued prompt lost (consumed, or its rollout or itself still queued); and every
+version a worker tagged rollouts with was one it had pulled (pull_check).
 
 --verifiers=V adds the verifier role: V processes that run its real step (rollout.score_items: lease from
 "to_score", score, put to "rollouts", ack; an item that fails alone is FAILed) with a simulated verdict (--score_ms
@@ -36,9 +46,12 @@ Every simulated peer connects from 127.0.0.1, so the server runs with its per-pe
 (--max_peer_requests, --max_peer_rps): on a pod each worker host is its own peer.
 
   python -m bench.fleet                                    # N = 1..128, then 240 s of preemption (~12 min)
+  python -m bench.fleet --ns=1,4,16,64,128 --chaos_s=0 --d_model=256 --layers=2   # weight sync at ~N MB / version
+  python -m bench.fleet --ns=1,4,16,64,128 --chaos_s=0 --d_model=256 --layers=2 --pull=false  # the same, no pulls
   python -m bench.fleet --prompts_per_step=64 --chaos_s=0  # a window of 2 x 64 prompts: it binds at 32 workers
   python -m bench.fleet --ns=1,4,16 --phase_s=10 --chaos_s=60 --chaos_workers=8   # a quick look
 """
+import glob
 import json
 import os
 import random
@@ -46,6 +59,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zlib
 
@@ -70,6 +84,10 @@ flags.DEFINE_integer("slots", 32, "Sequences a simulated worker decodes at once:
                      "prompts per batch (count, default 32).")
 flags.DEFINE_float("tok_s", 300.0, "One simulated worker's aggregate decode rate (tokens/s, default 300).")
 flags.DEFINE_float("latency_s", 0.5, "Fixed time per batch on top of tokens / tok_s (seconds, default 0.5).")
+flags.DEFINE_bool("pull", True, "Simulated workers pull every weight version (delta against the one held); false: "
+                  "they only read the newest manifest (default true).")
+flags.DEFINE_integer("d_model", 32, "The trainer's random policy's width (MLP 2x; units, default 32).")
+flags.DEFINE_integer("layers", 1, "The trainer's random policy's layers (count, default 1).")
 flags.DEFINE_float("lease_s", 10.0, "Prompt lease of a simulated worker (seconds, default 10).")
 flags.DEFINE_list("ns", ["1", "2", "4", "8", "16", "32", "64", "128"], "Fleet sizes of phase 1 (counts, default "
                   "1,2,4,8,16,32,64,128).")
@@ -91,30 +109,70 @@ FLAGS = flags.FLAGS
 
 # --- A simulated worker ---------------------------------------------------------------------------------------------
 
+def pull_loop(c, held, log):
+  """The real worker's Puller and Weights.pull (rollout.py) with no model: long-polls for a newer manifest, pulls
+  every tensor whole as a delta against the version held (the first in full), then holds it. The bytes cross the
+  socket and the server's work (cutting, delta builds and their cache, framing, crc) is real; the patches are
+  dropped, not applied (bench.sharded measures applying them). held: {"m": the manifest held, "stats": the newest
+  pull's figures, "error"}; log: an O_APPEND fd, a JSON line per pull (one write: whole lines), read by the bench."""
+  clients = {}  # pull_slices's connections to the manifest's servers (its own: not the generation loop's)
+  try:
+    while True:
+      m = c.manifest(newer_than=held["m"]["version"] if held["m"] else -1, wait_s=2.0)
+      if m is None:
+        continue
+      t, st = time.time(), {}
+      whole = {n: [tuple((0, d) for d in x["shape"])] for n, x in m["tensors"].items()}
+      try:
+        for _ in ps.pull_slices(m, whole, clients, base=held["m"], held=lambda n, s: s, stats=st, token=TOKEN):
+          pass
+      except (ValueError, ConnectionError):  # collected meanwhile (a newer one exists): the next, as rollout.py
+        continue
+      rec = dict(time=time.time(), version=m["version"], bytes=st["bytes"], full_bytes=st["full_bytes"],
+                 pull_s=time.time() - t)
+      held.update(m=m, stats=dict(pull_bytes=st["bytes"], pull_s=rec["pull_s"],
+                                  delta_frac=st["bytes"] / max(st["full_bytes"], 1)))
+      os.write(log, (json.dumps(rec) + "\n").encode())
+  except BaseException as e:  # noqa: BLE001  (raised by the generation loop)
+    held["error"] = e
+
+
 def sim_worker():
-  """Leases, 'generates' (sleeps), puts and acks until SIGTERM, then hands its leased prompts back."""
+  """Leases, 'generates' (sleeps), puts and acks until SIGTERM, then hands its leased prompts back. With --pull a
+  background thread pulls every version (pull_loop) and rollouts are tagged with the newest version held."""
   stop = ps.StopFlag()
   host, port = FLAGS.server.rsplit(":", 1)
   c = ps.Client(host, int(port), token=TOKEN, retries=20)
   rng = np.random.default_rng([FLAGS.seed, zlib.crc32(FLAGS.wid.encode())])
-  m = None
-  while m is None and not stop.requested:
-    m = c.manifest(newer_than=-1, wait_s=2.0)
-  if m is None:
+  held = dict(m=None, stats={}, error=None)
+  if FLAGS.pull:
+    log = os.open(os.path.join(FLAGS.ready_dir, FLAGS.wid + ".pulls"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    threading.Thread(target=pull_loop, args=(ps.Client(host, int(port), token=TOKEN, retries=20), held, log),
+                     daemon=True).start()
+  while held["m"] is None and not stop.requested:  # a real worker starts generating once it holds weights
+    if FLAGS.pull:
+      time.sleep(0.05)
+    else:
+      held["m"] = c.manifest(newer_than=-1, wait_s=2.0)
+  if held["m"] is None:
     return
-  version, vocab, M = m["version"], m["config"]["vocab_size"], m["sampling"]["max_new_tokens"]
+  vocab, M = held["m"]["config"]["vocab_size"], held["m"]["sampling"]["max_new_tokens"]
   if FLAGS.ready_dir:
     open(os.path.join(FLAGS.ready_dir, FLAGS.wid), "w").close()
-  t_start, busy, waiting = time.time(), 0.0, 0.0
+  t_start, busy, waiting, version = time.time(), 0.0, 0.0, None
   while not stop.requested:
     t = time.time()
     raws = c.get("prompts", max(1, FLAGS.slots // FLAGS.group_size), wait_s=1.0, lease_s=FLAGS.lease_s)
     waiting += time.time() - t
     if not raws:
       continue
-    # The real worker's Puller long-polls for weights in the background: generation starts on the newest.
-    new = c.manifest(newer_than=version)
-    version = new["version"] if new else version
+    if held["error"] is not None:
+      raise held["error"]
+    if not FLAGS.pull:  # only the newest manifest (the old behaviour): tags without pulling
+      held["m"] = c.manifest(newer_than=held["m"]["version"]) or held["m"]
+    if FLAGS.pull and held["m"]["version"] != version:  # logged for pull_check: each version tagged was held
+      os.write(log, (json.dumps(dict(tagged=held["m"]["version"])) + "\n").encode())
+    version = held["m"]["version"]  # generation starts on the newest version held (the real worker's swap)
     items = [data.PromptItem.from_wire(r) for r in raws]
     lens = [rng.integers(M // 2, M + 1, size=it.group_size) for it in items]
     gen_s = FLAGS.latency_s + sum(int(n.sum()) for n in lens) / FLAGS.tok_s
@@ -126,7 +184,7 @@ def sim_worker():
       break
     busy += time.time() - t
     span = time.time() - t_start
-    stats = dict(worker_busy_frac=busy / span, worker_wait_prompts_frac=waiting / span,
+    stats = dict(held["stats"], worker_busy_frac=busy / span, worker_wait_prompts_frac=waiting / span,
                  worker_tok_s=sum(int(n.sum()) for n in lens) / gen_s)
     rs = [data.Rollout(it.id, version, FLAGS.wid, it.problem, it.prompt_tokens,
                        [rng.integers(0, vocab, size=k).astype(np.int32) for k in n],
@@ -184,7 +242,7 @@ class Fleet:
     with open(os.path.join(run, "token"), "w") as f:
       f.write(TOKEN)
     tok = data.load_tokenizer(data.build_task_tokenizer(run, "arithmetic", seed=0))
-    benchutil.tiny_base(run, tok)
+    benchutil.tiny_base(run, tok, FLAGS.d_model, FLAGS.layers)
     self.server, self.port = benchutil.start_server(
         os.path.join(run, "port"), f"--token_file={run}/token", f"--run_dir={run}/server",
         "--max_peer_requests=4096", "--max_peer_rps=100000", log=os.path.join(run, "logs", "server.log"))
@@ -214,7 +272,8 @@ class Fleet:
         [sys.executable, "-m", "bench.fleet", f"--sim_{role}", f"--server=127.0.0.1:{self.port}", f"--wid={wid}",
          f"--ready_dir={self.run}/ready", f"--slots={FLAGS.slots}", f"--group_size={FLAGS.group_size}",
          f"--tok_s={FLAGS.tok_s}", f"--seed={FLAGS.seed}", f"--latency_s={FLAGS.latency_s}",
-         f"--lease_s={FLAGS.lease_s}", f"--verifiers={FLAGS.verifiers}", f"--score_ms={FLAGS.score_ms}"],
+         f"--lease_s={FLAGS.lease_s}", f"--pull={FLAGS.pull}", f"--verifiers={FLAGS.verifiers}",
+         f"--score_ms={FLAGS.score_ms}"],
         cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=open(os.path.join(self.run, "logs", "workers.log"), "ab"))
     return wid
@@ -290,6 +349,31 @@ def worker_rate():
   return per / (FLAGS.latency_s + per * FLAGS.group_size * 0.75 * FLAGS.max_new_tokens / FLAGS.tok_s)
 
 
+def pull_records(run):
+  """The simulated workers' pull logs (pull_loop's lines, and {"tagged": version} from the generation loop), each
+  line with its worker's id."""
+  out = []
+  for path in glob.glob(os.path.join(run, "ready", "*.pulls")):
+    for line in open(path):
+      try:
+        out.append(dict(json.loads(line), wid=os.path.basename(path)[:-len(".pulls")]))
+      except ValueError:  # a line being written
+        pass
+  return out
+
+
+def pull_check(run):
+  """Totals of every pull of the run, and the versions a worker tagged rollouts with that it had not pulled
+  (must be none)."""
+  recs = pull_records(run)
+  pulled = {(r["wid"], r["version"]) for r in recs if "version" in r}
+  return dict(pulls=len(pulled), bytes=sum(r.get("bytes", 0) for r in recs),
+              full_bytes=sum(r.get("full_bytes", 0) for r in recs),
+              tagged=len([r for r in recs if "tagged" in r]),
+              tagged_not_held=sorted({f"{r['wid']}:v{r['tagged']}" for r in recs
+                                      if "tagged" in r and (r["wid"], r["tagged"]) not in pulled}))
+
+
 def measure_phase(fleet, n):
   """Throughput at n workers over --phase_s: one result row."""
   fleet.resize(n)
@@ -301,6 +385,12 @@ def measure_phase(fleet, n):
   fleet.check()
   dt = t1 - t0
   recs = [r for r in fleet.records() if t0 <= r["time"] <= t1]
+  pulls = [p for p in pull_records(fleet.run) if "version" in p and t0 <= p["time"] <= t1]
+  # A version's fleet sync: from its first worker's manifest arrival to its last worker holding it.
+  by_v = {}
+  for p in pulls:
+    by_v.setdefault(p["version"], []).append(p)
+  sync = [max(p["time"] for p in ps_) - min(p["time"] - p["pull_s"] for p in ps_) for ps_ in by_v.values()]
   waits = sorted(r["trainer_wait_frac"] for r in recs) or [float("nan")]
   # Trained rates between the phase's first and last step records (a step is 256 groups: at small N none or one
   # lands in a phase, then nan); the fleet's rate is the server's count of prompts acked (groups finished).
@@ -312,19 +402,26 @@ def measure_phase(fleet, n):
               step_s=float(np.median([r["step_s"] + r["push_s"] for r in recs])) if recs else float("nan"),
               wait=waits[len(waits) // 2], in_flight=q1["prompts"]["ready"] + q1["prompts"]["leased"],
               window=recs[-1]["issued_ahead"] if recs else 0,
-              cpu={k: (c1[k] - c0[k]) / dt for k in c0})
+              cpu={k: (c1[k] - c0[k]) / dt for k in c0}, versions=len(by_v), pulls=len(pulls),
+              pull_mb_s=sum(p["bytes"] for p in pulls) / dt / 1e6,
+              delta_frac=sum(p["bytes"] for p in pulls) / max(sum(p["full_bytes"] for p in pulls), 1),
+              pull_s=float(np.median([p["pull_s"] for p in pulls])) if pulls else float("nan"),
+              sync_s=float(np.median(sync)) if sync else float("nan"))
 
 
 def print_rows(rows):
   print("| workers | ideal groups/s | finished groups/s | trained groups/s | dropped groups/s: stale, zero-var | "
         "trained tokens/s | trainer wait | step+push s | prompts in flight / window | "
-        "CPU cores: server, trainer, workers | server CPU ms / group |")
-  print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---:|")
+        "CPU cores: server, trainer, workers | server CPU ms / group | versions, pulls | weights out MB/s (delta "
+        "/ full) | pull s, median | fleet sync s, median | server CPU ms / MB pulled |")
+  print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
   for r in rows:
     print(f"| {r['n']} | {r['ideal']:.1f} | {r['finished']:.1f} | {r['trained']:.1f} | {r['stale']:.1f}, "
           f"{r['zero_var']:.1f} | {r['trained_tok']:.0f} | {100 * r['wait']:.0f}% | {r['step_s']:.2f} | "
           f"{r['in_flight']} / {r['window']} | {r['cpu']['server']:.3f}, {r['cpu']['trainer']:.3f}, "
-          f"{r['cpu']['workers']:.3f} | {1e3 * r['cpu']['server'] / max(r['finished'], 1e-9):.2f} |", flush=True)
+          f"{r['cpu']['workers']:.3f} | {1e3 * r['cpu']['server'] / max(r['finished'], 1e-9):.2f} | "
+          f"{r['versions']}, {r['pulls']} | {r['pull_mb_s']:.1f} ({r['delta_frac']:.2f}) | {r['pull_s']:.2f} | "
+          f"{r['sync_s']:.2f} | {1e3 * r['cpu']['server'] / max(r['pull_mb_s'], 1e-9):.1f} |", flush=True)
 
 
 def chaos(fleet, seconds):
@@ -476,6 +573,8 @@ def main(argv):
     fleet.stop()
     out["exactly_once"] = exactly_once(run, FLAGS.prompts_per_step)
     print("exactly once:", json.dumps(out["exactly_once"]), flush=True)
+    out["pulls"] = pull_check(run)
+    print("weight pulls:", json.dumps(out["pulls"]), flush=True)
     if FLAGS.json:
       with open(FLAGS.json, "w") as f:
         json.dump(out, f)

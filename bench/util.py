@@ -52,13 +52,14 @@ def random_params(cfg, seed):
   return model.init_params(cfg, None, normal=lambda shape: rng.standard_normal(shape, np.float32), zero_bias=False)
 
 
-def tiny_base(run, tok):
-  """RUN/base: a random 1-layer d=32 Qwen2 policy over `tok`'s vocabulary, the system tests' and bench.fleet's
-  (their figures do not depend on the weights, only on a cheap step)."""
+def tiny_base(run, tok, d_model=32, layers=1):
+  """RUN/base: a random Qwen2 policy over `tok`'s vocabulary (default 1 layer, d=32; MLP 2d), the system tests' and
+  bench.fleet's (their figures do not depend on the weights, only on a cheap step; bench.fleet --d_model sizes the
+  weights its workers pull)."""
   import jax
   import model
-  hf = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=tok.vocab_size, hidden_size=32,
-            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+  hf = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=tok.vocab_size, hidden_size=d_model,
+            num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, intermediate_size=2 * d_model,
             max_position_embeddings=128, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
             bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
   cfg = model.Config.from_hf_dict(hf)

@@ -1,7 +1,8 @@
 """bench.fleet end to end at a small size: the real server and trainer with simulated workers and two verifiers (the
 verifier role's real step, a simulated verdict), a throughput phase, then workers, verifiers and the trainer
 preempted (SIGKILL and SIGTERM, real signals to real processes), and the exactly-once check on what is on disk
-(rollouts still waiting to be scored count as queued); then that check is shown to catch a rollout trained twice."""
+(rollouts still waiting to be scored count as queued); the workers pulled every version they tagged rollouts with,
+bytes over the socket; then that check is shown to catch a rollout trained twice."""
 import json
 import subprocess
 import sys
@@ -33,10 +34,15 @@ def test_fleet_survives_worker_and_trainer_preemptions_exactly_once(tmp_path):
   assert term["resumed_at"] == term["step"], term
   eo = res["exactly_once"]
   assert eo["steps"] > term["resumed_at"] and eo["trained"] == 8 * eo["steps"]
+  pulls = res["pulls"]  # real bytes for every version tagged (a version is tagged only once held)
+  assert pulls["bytes"] > 0 and pulls["pulls"] > 0 and pulls["tagged"] > 0, pulls
+  assert pulls["tagged_not_held"] == [], pulls
+  assert row["pulls"] > 0 and row["pull_mb_s"] > 0, row
 
   # The check fails when a rollout is trained twice: the last step claims one of the first step's rollouts.
   lines = (run / "metrics.jsonl").read_text().splitlines()
   recs = [json.loads(x) for x in lines]
+  assert any(r.get("pull_bytes", 0) > 0 for r in recs)  # the workers' pull figures reach the trainer's metrics
   first = next(r for r in recs if "rollout_ids" in r)
   last = max((i for i, r in enumerate(recs) if "rollout_ids" in r))
   recs[last]["rollout_ids"][0] = first["rollout_ids"][0]
