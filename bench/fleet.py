@@ -421,7 +421,7 @@ def print_rows(rows):
           f"{r['in_flight']} / {r['window']} | {r['cpu']['server']:.3f}, {r['cpu']['trainer']:.3f}, "
           f"{r['cpu']['workers']:.3f} | {1e3 * r['cpu']['server'] / max(r['finished'], 1e-9):.2f} | "
           f"{r['versions']}, {r['pulls']} | {r['pull_mb_s']:.1f} ({r['delta_frac']:.2f}) | {r['pull_s']:.2f} | "
-          f"{r['sync_s']:.2f} | {1e3 * r['cpu']['server'] / max(r['pull_mb_s'], 1e-9):.1f} |", flush=True)
+          f"{r['sync_s']:.2f} | {1e3 * r['cpu']['server'] / r['pull_mb_s'] if r['pull_mb_s'] else float('nan'):.1f} |", flush=True)
 
 
 def chaos(fleet, seconds):
