@@ -12,12 +12,14 @@
 #   bash launch.sh test [pytest args]   install test deps into .venv and run the CPU suite (8 fake devices).
 #   bash launch.sh v4-N | v5p-N | v5e-N | v6e-N --tpu=NAME --zone=Z [--infer_tpu=NAME2 --infer_size=SIZE] [--spot]
 #       [--init_checkpoint=D --tokenizer=T --run_dir=R --port=5555 --coord_port=8476 --worker_args="..."
-#        --verifiers=V --poll_s=30 --state_dir=runs/pod-NAME --runtime=V] [--dry_run | --stop] [-- train.py flags]
-#                                    TPU pods: creates each slice unless READY (queued resource; --spot: spot), sets
-#                                    up every host (project copy, jax[tpu] on Python 3.11, token by scp), starts the
-#                                    server on trainer host 0 (+ a shard server on each other trainer host), trainer
-#                                    process i on trainer host i, worker i (+ V verifiers) on inference host i, each under a per-host
-#                                    supervisor (launch.sh host); polls for DONE / FAILED, re-creates a lost slice.
+#        --verifiers=V --verifier_vms=M --verifier_machine=n2-standard-8 --verifier_args="..." --poll_s=30
+#        --state_dir=runs/pod-NAME --runtime=V] [--dry_run | --stop] [-- train.py flags]
+#                                    TPU pods: creates each slice unless READY (queued resource; --spot: spot) and
+#                                    M CPU VMs NAME-verifier<j>, sets up every host (project copy, jax on Python 3.11,
+#                                    token by scp), starts the server on trainer host 0 (+ a shard server on each
+#                                    other), trainer process i on trainer host i, worker i (+ V verifiers) on
+#                                    inference host i, a verifier per VM, each under a per-host supervisor (launch.sh
+#                                    host); polls for DONE / FAILED, re-creates a lost slice or VM.
 #                                    --dry_run prints every gcloud command. Multi-host checkpoints need shared storage.
 #                                    (host, host_setup, host_stop, host_status: run on the hosts by the launcher.)
 #
@@ -641,22 +643,42 @@ shq() {  # words, single-quoted where the shell needs it
 pod_run() { if [ $POD_DRY = 1 ]; then shq "$@"; else "$@"; fi; }
 pod_bg() { if [ $POD_DRY = 1 ]; then "$@"; else "$@" & fi; }  # parallel over hosts; in order when printing
 quote_cmd() { printf '%q ' "$@"; }
-pod_ssh() { pod_run gcloud compute tpus tpu-vm ssh "$1" --zone="$POD_ZONE" --worker="$2" --command="$3"; }
-pod_scp() { pod_run gcloud compute tpus tpu-vm scp --recurse "$2" "$1:$3" --zone="$POD_ZONE" --worker=all; }
-pod_host() { pod_ssh "$1" "$2" "cd rl && bash launch.sh $3 $(quote_cmd "$POD_RUN") ${4:-}"; }  # SLICE WORKER VERB [ROLE]
-pod_state() {  # NAME: "STATE ACCELERATOR-TYPE" of its node, or MISSING
-  gcloud compute tpus tpu-vm describe "$1" --zone="$POD_ZONE" --format='value(state,acceleratorType)' 2>/dev/null || echo MISSING
+# A name is a TPU slice (tpu-vm commands, --worker=i|all) or one of the verifier VMs (POD_VMS: Compute Engine
+# commands, one host).
+pod_is_vm() { [[ " ${POD_VMS[*]} " == *" $1 "* ]]; }
+pod_ssh() {  # NAME WORKER COMMAND
+  if pod_is_vm "$1"; then pod_run gcloud compute ssh "$1" --zone="$POD_ZONE" --command="$3"
+  else pod_run gcloud compute tpus tpu-vm ssh "$1" --zone="$POD_ZONE" --worker="$2" --command="$3"; fi
+}
+pod_scp() {  # NAME SRC DST: to every host of NAME
+  if pod_is_vm "$1"; then pod_run gcloud compute scp --recurse "$2" "$1:$3" --zone="$POD_ZONE"
+  else pod_run gcloud compute tpus tpu-vm scp --recurse "$2" "$1:$3" --zone="$POD_ZONE" --worker=all; fi
+}
+pod_host() { pod_ssh "$1" "$2" "cd rl && bash launch.sh $3 $(quote_cmd "$POD_RUN") ${4:-}"; }  # NAME WORKER VERB [ROLE]
+pod_state() {  # NAME: "STATE TYPE" (a VM's RUNNING reads READY), or MISSING
+  local out
+  if pod_is_vm "$1"; then out=$(gcloud compute instances describe "$1" --zone="$POD_ZONE" \
+    --format='value(status,machineType.basename())' 2>/dev/null) && echo "${out/#RUNNING/READY}" || echo MISSING
+  else gcloud compute tpus tpu-vm describe "$1" --zone="$POD_ZONE" --format='value(state,acceleratorType)' 2>/dev/null ||
+    echo MISSING; fi
 }
 
 # A slice already READY with the wanted type is reused (a rerun, or one made by hand). Any other is (re-)created as
 # a queued resource, on-demand or --spot alike: the request waits for capacity where `tpu-vm create` fails at once,
 # and one path (delete what is left, create, wait for ACTIVE) serves both first creation and a preempted slice.
+# A verifier VM is (re-)created the same way, as a plain Compute Engine VM (--spot: a Spot VM deleted on preemption).
 pod_ensure_slice() {  # NAME
-  local type="${SLICE_TYPE[$1]}" st="" have qs
+  local type="${SLICE_TYPE[$1]}" st="" have qs what=slice; pod_is_vm "$1" && what=VM
   [ $POD_DRY = 1 ] && echo "# unless $1 is READY as $type (then it is reused):" || read -r st have <<<"$(pod_state "$1")"
   if [ "$st" = READY ]; then
-    [ "$have" = "$type" ] || die "slice $1 exists as $have, not $type: delete it or name another slice"
-    echo "== reusing slice $1 ($type, READY)"; return
+    [ "$have" = "$type" ] || die "$what $1 exists as $have, not $type: delete it or name another $what"
+    echo "== reusing $what $1 ($type, READY)"; return
+  fi
+  if pod_is_vm "$1"; then
+    [ $POD_DRY = 1 ] || gcloud compute instances delete "$1" --zone="$POD_ZONE" --quiet &>/dev/null || true
+    pod_run gcloud compute instances create "$1" --zone="$POD_ZONE" --machine-type="$type" \
+      --image-family=ubuntu-2204-lts --image-project=ubuntu-os-cloud "${POD_VM_SPOT[@]}"
+    return
   fi
   [ $POD_DRY = 1 ] || gcloud compute tpus queued-resources delete "$1-qr" --zone="$POD_ZONE" --force --quiet &>/dev/null ||
     gcloud compute tpus tpu-vm delete "$1" --zone="$POD_ZONE" --quiet &>/dev/null || true  # what is left of it
@@ -674,11 +696,18 @@ pod_ensure_slice() {  # NAME
 # Per-host setup of one slice: a copy of this checkout (no .venv/runs/.git), host_setup (venv, pinned jax[tpu]), the
 # server token (scp'd into a 0700 dir: never on a command line), and the checkpoint / tokenizer when they are local
 # paths (small models; for big ones pass a path on the hosts, e.g. a gcsfuse mount).
+# A verifier VM gets the CPU requirements (no libtpu), once its sshd answers (it boots after create returns).
 pod_setup_slice() {
-  local name="$1" k
-  echo "== setting up slice $name"
+  local name="$1" k tries=0 req=""
+  echo "== setting up $name"
+  if pod_is_vm "$name"; then
+    req=requirements.txt
+    until [ $POD_DRY = 1 ] || gcloud compute ssh "$name" --zone="$POD_ZONE" --command=true &>/dev/null; do
+      [ $((tries += 1)) -lt 30 ] || die "VM $name: no ssh after 30 tries"; sleep 10
+    done
+  fi
   pod_scp "$name" "$POD_STATE/rl.tgz" rl.tgz
-  pod_ssh "$name" all "mkdir -p rl/.secrets && chmod 700 rl/.secrets && tar -xzf rl.tgz -C rl && bash rl/launch.sh host_setup"
+  pod_ssh "$name" all "mkdir -p rl/.secrets && chmod 700 rl/.secrets && tar -xzf rl.tgz -C rl && bash rl/launch.sh host_setup $req"
   pod_scp "$name" "$POD_STATE/token" rl/.secrets/token
   pod_ssh "$name" all "chmod 600 rl/.secrets/token"
   for k in "${!POD_STAGE[@]}"; do pod_scp "$name" "${POD_STAGE[$k]}" "rl/staged/$k"; done
@@ -711,9 +740,9 @@ pod_start_trainer_side() {
   wait
 }
 
-pod_start_workers() {  # one inference worker per host of the inference slice, each on its local chips, and
-  # --verifiers=V verifiers per host on its CPUs (the verifier role; on a CPU VM: rollout.py --mode=verifier by hand)
-  local ip="$1" i j cmd
+pod_start_workers() {  # one inference worker per host of the inference slice, each on its local chips,
+  # --verifiers=V verifiers per host on its CPUs, and one verifier on each verifier VM
+  local ip="$1" i j cmd vm
   for ((i = 0; i < POD_INFER_HOSTS; i++)); do
     cmd="$(pod_role_cmd "worker$i" rollout.py --server="$ip:$POD_PORT" \
       --token_file=.secrets/token --worker_id="worker$i" "${POD_WORKER_ARGS[@]}")"
@@ -723,15 +752,24 @@ pod_start_workers() {  # one inference worker per host of the inference slice, e
     done
     pod_bg pod_ssh "$POD_INFER" "$i" "$cmd"
   done
+  for vm in "${POD_VMS[@]}"; do pod_bg pod_start_vm_verifier "$vm" "$ip"; done
   wait
+}
+pod_start_vm_verifier() {  # VM IP (--verifier_args after --worker_args: absl takes a flag's last value)
+  pod_ssh "$1" 0 "$(pod_role_cmd verifier rollout.py --mode=verifier --server="$2:$POD_PORT" --token_file=.secrets/token \
+    --worker_id="$1" "${POD_WORKER_ARGS[@]}" "${POD_VM_ARGS[@]}")"
+}
+pod_stop_fleet() {  # workers and verifiers, wherever they run
+  local vm
+  pod_host "$POD_INFER" all host_stop worker || true; pod_host "$POD_INFER" all host_stop verifier || true
+  for vm in "${POD_VMS[@]}"; do pod_host "$vm" 0 host_stop verifier || true; done
 }
 
 # Trainer first (final checkpoint), workers next (drain), server last; STOP keeps the host supervisors from
 # restarting what is being stopped.
 pod_stop() {
   echo "== stopping the pod run (trainer, workers, server)"
-  pod_host "$POD_TPU" all host_stop trainer || true; pod_host "$POD_INFER" all host_stop worker || true
-  pod_host "$POD_INFER" all host_stop verifier || true
+  pod_host "$POD_TPU" all host_stop trainer || true; pod_stop_fleet
   pod_host "$POD_TPU" all host_stop shard || true; pod_host "$POD_TPU" 0 host_stop server || true
 }
 
@@ -741,22 +779,25 @@ pod_server_ip() {  # internal IP of trainer host 0 (where the server and the jax
 }
 
 # Poll until the trainer writes DONE (then stop in order), a role fails deterministically on some host (stop and
-# show its error), or a slice is no longer READY (a preempted spot slice: re-create it, restart its roles).
+# show its error), or a slice or VM is no longer READY (a preempted spot slice or VM: re-create it, restart its roles;
+# a new trainer slice has a new server address, so every worker and verifier restarts too).
 pod_monitor() {
   local st out ip name
   while true; do
     sleep "$POD_POLL_S"
-    for name in "$POD_TPU" "$POD_INFER"; do
+    for name in "$POD_TPU" "$POD_INFER" "${POD_VMS[@]}"; do
       read -r st _ <<<"$(pod_state "$name")"
       [ "$st" = READY ] && continue
-      echo "== slice $name is $st: re-creating it and restarting its roles"
-      [ "$name" = "$POD_TPU" ] && { pod_host "$POD_INFER" all host_stop worker || true; }
+      echo "== $name is $st: re-creating it and restarting its roles"
+      [ "$name" = "$POD_TPU" ] && pod_stop_fleet
       pod_ensure_slice "$name"; pod_setup_slice "$name"
       ip=$(pod_server_ip)
       [ "$name" = "$POD_TPU" ] && pod_start_trainer_side "$ip"
-      pod_start_workers "$ip"; continue 2
+      if pod_is_vm "$name"; then pod_start_vm_verifier "$name" "$ip"; else pod_start_workers "$ip"; fi
+      continue 2
     done
-    out=$( { pod_host "$POD_TPU" all host_status; pod_host "$POD_INFER" all host_status; } 2>/dev/null || true)
+    out=$( { for name in "$POD_TPU" "$POD_INFER" "${POD_VMS[@]}"; do pod_host "$name" all host_status; done; } \
+      2>/dev/null || true)
     if grep -q '^FAILED' <<<"$out"; then
       echo "launch.sh: a role failed deterministically on the pod:" >&2
       grep -A3 '^FAILED' <<<"$out" | sed 's/^/  /' >&2
@@ -772,15 +813,19 @@ pod_monitor() {
 run_pod() {
   local size="$1"; shift
   local tpu="" infer="" infer_size="" zone="" port=5555 coord=8476 ckpt="" tok="" run=runs/pod stop=0
-  local worker_args="" poll=30 runtime="" state="" spec; POD_VERIFIERS=0
+  local worker_args="" poll=30 runtime="" state="" spec vms=0 vm_type=n2-standard-8 vm_args="" i name
+  POD_VERIFIERS=0 POD_VMS=() POD_VM_SPOT=()
   while [ $# -gt 0 ]; do
     case "$1" in
       --tpu=*) tpu="${1#*=}" ;; --infer_tpu=*) infer="${1#*=}" ;; --infer_size=*) infer_size="${1#*=}" ;;
       --zone=*) zone="${1#*=}" ;; --port=*) port="${1#*=}" ;; --coord_port=*) coord="${1#*=}" ;;
-      --spot) POD_SPOT=(--spot) ;; --runtime=*) runtime="${1#*=}" ;; --poll_s=*) poll="${1#*=}" ;;
+      --spot) POD_SPOT=(--spot) POD_VM_SPOT=(--provisioning-model=SPOT --instance-termination-action=DELETE) ;;
+      --runtime=*) runtime="${1#*=}" ;; --poll_s=*) poll="${1#*=}" ;;
       --init_checkpoint=*) ckpt="${1#*=}" ;; --tokenizer=*) tok="${1#*=}" ;; --run_dir=*) run="${1#*=}" ;;
       --worker_args=*) worker_args="${1#*=}" ;; --stop) stop=1 ;; --state_dir=*) state="${1#*=}" ;;
       --verifiers=*) POD_VERIFIERS="${1#*=}"; [[ "$POD_VERIFIERS" =~ ^[0-9]{1,2}$ ]] || die "$size: --verifiers=N per host, 0-99" ;;
+      --verifier_vms=*) vms="${1#*=}"; [[ "$vms" =~ ^[0-9]{1,3}$ ]] || die "$size: --verifier_vms=M VMs, 0-999" ;;
+      --verifier_machine=*) vm_type="${1#*=}" ;; --verifier_args=*) vm_args="${1#*=}" ;;
       --dry_run) POD_DRY=1 ;; --) shift; break ;;
       *) die "$size: unknown flag $1 (train.py flags go after --)" ;;
     esac
@@ -793,7 +838,8 @@ run_pod() {
   spec=$(pod_slice "$size" "$runtime"); read -r "SLICE_TYPE[$POD_TPU]" "SLICE_RT[$POD_TPU]" POD_HOSTS <<<"$spec"
   spec=$(pod_slice "${infer_size:-$size}" "$runtime")
   read -r "SLICE_TYPE[$POD_INFER]" "SLICE_RT[$POD_INFER]" POD_INFER_HOSTS <<<"$spec"
-  read -r -a POD_WORKER_ARGS <<<"$worker_args"
+  read -r -a POD_WORKER_ARGS <<<"$worker_args"; read -r -a POD_VM_ARGS <<<"$vm_args"
+  for ((i = 0; i < vms; i++)); do POD_VMS+=("$POD_TPU-verifier$i"); SLICE_TYPE[$POD_TPU-verifier$i]="$vm_type"; done
   [ $stop = 1 ] && { pod_stop; return; }
   # Checkpoint and tokenizer: a local path is staged to every host; anything else is a path on the hosts.
   declare -gA POD_STAGE=()
@@ -811,8 +857,8 @@ run_pod() {
     [ -f "$POD_STATE/token" ] || (umask 077; python3 -c "import secrets; print(secrets.token_hex(16))" >"$POD_STATE/token")
     tar -czf "$POD_STATE/rl.tgz" --exclude=./.venv --exclude=./runs --exclude=./.git --exclude=__pycache__ -C "$ROOT" .
   fi
-  pod_ensure_slice "$POD_TPU"; pod_ensure_slice "$POD_INFER"
-  pod_setup_slice "$POD_TPU"; pod_setup_slice "$POD_INFER"
+  for name in "$POD_TPU" "$POD_INFER" "${POD_VMS[@]}"; do pod_ensure_slice "$name"; done
+  for name in "$POD_TPU" "$POD_INFER" "${POD_VMS[@]}"; do pod_setup_slice "$name"; done
   local ip; ip=$(pod_server_ip)
   [ $POD_DRY = 1 ] && echo "# SERVER_IP = \$($(shq gcloud compute tpus tpu-vm describe "$POD_TPU" --zone="$POD_ZONE" --format='value(networkEndpoints[0].ipAddress)'))"
   pod_start_trainer_side "$ip"
@@ -828,7 +874,7 @@ run_pod() {
 # TPU VM images are Ubuntu 22.04, whose python3 is 3.10; the pinned jax==0.10.2 needs 3.11. An image whose python3
 # is 3.11 gets its venv from it; otherwise uv (pip --user, else astral's installer: no sudo, and no apt, which
 # unattended-upgrades often holds on a fresh VM) fetches a standalone CPython 3.11 into ~/.local/share/uv.
-host_setup() {  # venv + pinned jax[tpu] + requirements, once (stamped); RL_SKIP_INSTALL=1 reuses $VENV as is
+host_setup() {  # [REQS]: venv + requirements-tpu.txt (or REQS), once (stamped); RL_SKIP_INSTALL=1 reuses $VENV as is
   if [ -n "${RL_SKIP_INSTALL:-}" ]; then echo "host_setup: RL_SKIP_INSTALL set, using $VENV as is"; return; fi
   local py311='import sys; sys.exit(sys.version_info[:2] != (3, 11))'
   if ! "$VENV/bin/python" -c "$py311" 2>/dev/null; then
@@ -837,7 +883,7 @@ host_setup() {  # venv + pinned jax[tpu] + requirements, once (stamped); RL_SKIP
       python3 -m pip install -q --user uv || curl -LsSf https://astral.sh/uv/install.sh | sh
       "$HOME/.local/bin/uv" venv -q --seed --python 3.11 "$VENV"; }
   fi
-  setup_venv requirements-tpu.txt
+  setup_venv "${1:-requirements-tpu.txt}"
 }
 
 # host ROLE RUN SCRIPT ARGS...: run one role, restart it when it dies, until it exits 0 (done / stopped), STOP
@@ -895,7 +941,7 @@ case "$cmd" in
       -o faulthandler_timeout=900 "${@:-tests}"
     ;;
   v4-*|v5p-*|v5e-*|v5litepod-*|v6e-*) run_pod "$cmd" "$@" ;;
-  host_setup) host_setup ;;
+  host_setup) host_setup "$@" ;;
   host) run_host "$@" ;;
   host_stop) host_stop "$@" ;;
   host_status) host_status "$@" ;;

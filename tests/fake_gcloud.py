@@ -9,12 +9,18 @@ project copy, setup, supervisors, server, a multi-process trainer, workers. Supp
   compute tpus tpu-vm ssh NAME --worker=all|i --command=C
   compute tpus queued-resources create QR --node-id=NAME --accelerator-type=T --runtime-version=V [--spot]
   compute tpus queued-resources describe QR --format=...               compute tpus queued-resources delete QR
+  compute instances create NAME --machine-type=T --image-family=F --image-project=P
+          [--provisioning-model=SPOT [--instance-termination-action=STOP|DELETE]]
+  compute instances describe NAME --format=value(F,...)                compute instances delete NAME
+  compute ssh NAME --command=C                                         compute scp [--recurse] SRC NAME:DST
 
 Like the real one it refuses an accelerator type or runtime version the Cloud TPU docs do not list (or a runtime of
 another generation), and a slice has the documented number of workers: both from tests/tpu_types.json, written
-from the docs independently of launch.sh's table. Every call's argv is appended to calls.jsonl (tests check, e.g.,
-that no secret is on a command line). `preempt(root, node)` plays the cloud: kills the node's processes and marks
-it PREEMPTED / its queued resource SUSPENDED.
+from the docs independently of launch.sh's table; a Compute Engine VM (one host) likewise needs a documented machine
+type and an image family of its image project. Every call's argv is appended to calls.jsonl (tests check, e.g.,
+that no secret is on a command line). `preempt(root, name)` plays the cloud: kills the node's or VM's processes and
+marks the node PREEMPTED / its queued resource SUSPENDED, or does the Spot VM's termination action (DELETE: the VM
+is gone; STOP: TERMINATED).
 """
 import json
 import os
@@ -57,14 +63,14 @@ def _save(kind, name, rec):
 
 
 def host_dirs(node):
-  rec = _load("nodes", node)
+  rec = _load("nodes", node) or _load("instances", node)
   if rec is None:
-    sys.exit(f"fake gcloud: no TPU node {node}")
+    sys.exit(f"fake gcloud: no TPU node or VM {node}")
   return [_path("hosts", node, f"w{i}") for i in range(rec["hosts"])]
 
 
 def _kill_node(node):
-  for d in (host_dirs(node) if _load("nodes", node) else []):
+  for d in (host_dirs(node) if _load("nodes", node) or _load("instances", node) else []):
     try:
       pgids = [int(x) for x in open(os.path.join(d, ".pgids")).read().split()]
     except FileNotFoundError:
@@ -81,6 +87,14 @@ def preempt(root, node):
   global ROOT
   ROOT = root
   _kill_node(node)
+  vm = _load("instances", node)
+  if vm and vm.get("termination") == "DELETE":
+    _delete(node, "instances")
+  elif vm:
+    vm["state"] = "TERMINATED"
+    _save("instances", node, vm)
+  if vm:
+    return
   rec = _load("nodes", node)
   rec["state"] = "PREEMPTED"
   _save("nodes", node, rec)
@@ -150,42 +164,85 @@ def _describe(rec, fmt):
   if rec is None:
     return 1
   known = {"state": rec.get("state"), "state.state": rec.get("state"), "acceleratorType": rec.get("accel"),
-           "networkEndpoints[0].ipAddress": "127.0.0.1"}
+           "networkEndpoints[0].ipAddress": "127.0.0.1", "status": rec.get("state"),
+           "machineType.basename()": rec.get("machineType", "").rsplit("/", 1)[-1]}
   print("\t".join(known[f] for f in fmt[len("value("):-1].split(",")))
   return 0
 
 
-def _delete_node(node):
-  if _load("nodes", node) is None:
+def _create_vm(name, kv, flags):
+  ce = TYPES["compute_engine"]
+  if kv["machine-type"] not in ce["machine_types"]:
+    raise ValueError(f"Invalid value for field 'resource.machineType': {kv['machine-type']!r}. Machine type with name "
+                     f"{kv['machine-type']!r} does not exist in zone")
+  if ce["image_families"].get(kv["image-family"]) != kv["image-project"]:
+    raise ValueError(f"The resource 'projects/{kv['image-project']}/global/images/family/{kv['image-family']}' "
+                     "was not found")
+  if "instance-termination-action" in kv and kv.get("provisioning-model") != "SPOT":
+    raise ValueError("--instance-termination-action is only for --provisioning-model=SPOT")
+  if _load("instances", name):
+    raise ValueError(f"The resource 'projects/p/zones/z/instances/{name}' already exists")
+  shutil.rmtree(_path("hosts", name), ignore_errors=True)
+  termination = kv.get("instance-termination-action", "STOP") if kv.get("provisioning-model") == "SPOT" else None
+  _save("instances", name, dict(state="RUNNING", hosts=1, termination=termination,
+                                machineType=f"https://www.googleapis.com/compute/v1/projects/p/zones/z/machineTypes/"
+                                            f"{kv['machine-type']}"))
+  os.makedirs(_path("hosts", name, "w0"))
+
+
+def _delete(name, kind="nodes"):
+  if _load(kind, name) is None:
     return 1
-  _kill_node(node)
-  shutil.rmtree(_path("hosts", node), ignore_errors=True)
-  os.remove(_path("nodes", node + ".json"))
+  _kill_node(name)
+  shutil.rmtree(_path("hosts", name), ignore_errors=True)
+  os.remove(_path(kind, name + ".json"))
   return 0
 
 
 def main(argv):
   with open(_path("calls.jsonl"), "a") as f:
     f.write(json.dumps(argv) + "\n")
-  if argv[:3] != ["compute", "tpus", "tpu-vm"] and argv[:3] != ["compute", "tpus", "queued-resources"]:
+  if argv[:2] == ["compute", "tpus"] and argv[2] in ("tpu-vm", "queued-resources"):
+    group, (pos, kv, flags) = argv[2], _opts(argv[3:])
+    verb, rest, what = pos[0], pos[1:], f"compute.tpus.{argv[2]}.{pos[0]}"
+  elif argv[:2] == ["compute", "instances"] or argv[:2] in (["compute", "ssh"], ["compute", "scp"]):
+    group, (pos, kv, flags) = "vm", _opts(argv[2:] if argv[1] != "instances" else argv[3:])
+    verb, rest = (argv[2], pos) if argv[1] == "instances" else (argv[1], pos)
+    what = f"compute.{'instances.' if argv[1] == 'instances' else ''}{verb}"
+  else:
     sys.exit(f"fake gcloud: unsupported {argv}")
-  pos, kv, flags = _opts(argv[3:])
-  verb, rest = pos[0], pos[1:]
   try:
-    return _run(argv[2], verb, rest, kv, flags)
+    return _run(group, verb, rest, kv, flags)
   except ValueError as e:
-    sys.exit(f"ERROR: (gcloud.compute.tpus.{argv[2]}.{verb}) {e}")
+    sys.exit(f"ERROR: (gcloud.{what}) {e}")
   except KeyError as e:
-    sys.exit(f"ERROR: (gcloud.compute.tpus.{argv[2]}.{verb}) argument --{e.args[0]}: Must be specified.")
+    sys.exit(f"ERROR: (gcloud.{what}) argument --{e.args[0]}: Must be specified.")
 
 
 def _run(group, verb, rest, kv, flags):
-  if group == "tpu-vm":
+  if group == "vm":
+    if verb == "create":
+      _create_vm(rest[0], kv, flags)
+      return 0
+    if verb == "delete":
+      return _delete(rest[0], "instances")
+    if verb == "describe":
+      if _load("instances", rest[0]) is None:
+        print(f"ERROR: (gcloud.compute.instances.describe) Could not fetch resource:\n - The resource "
+              f"'projects/p/zones/z/instances/{rest[0]}' was not found", file=sys.stderr)
+        return 1
+      return _describe(_load("instances", rest[0]), kv.get("format", ""))
+    if verb in ("ssh", "scp"):
+      name = rest[0] if verb == "ssh" else rest[1].split(":", 1)[0]
+      if (_load("instances", name) or {}).get("state") != "RUNNING":
+        raise ValueError(f"instance {name} is not running")
+      return _ssh(name, "0", kv["command"]) if verb == "ssh" else _scp(rest[0], rest[1])
+  elif group == "tpu-vm":
     if verb == "create":
       _create_node(rest[0], kv["accelerator-type"], kv["version"])
       return 0
     if verb == "delete":
-      return _delete_node(rest[0])
+      return _delete(rest[0])
     if verb == "describe":
       return _describe(_load("nodes", rest[0]), kv.get("format", ""))
     if verb == "ssh":
@@ -206,7 +263,7 @@ def _run(group, verb, rest, kv, flags):
       rec = _load("qr", qr)
       if rec is None:
         return 1
-      _delete_node(rec["node"])
+      _delete(rec["node"])
       os.remove(_path("qr", qr + ".json"))
       return 0
   sys.exit(f"fake gcloud: unsupported {group} {verb}")

@@ -4,7 +4,8 @@ directory on this machine, every `ssh --worker=i --command=C` runs C there), and
 The pod tests check the launcher's slices (accelerator type, runtime version, hosts) against the fake's own table of
 the Cloud TPU docs (tests/tpu_types.json), per generation, in dry runs and fake runs; two really start a server, a
 multi-process trainer and workers through launch.sh v5p-16 / v6e-8 and finish a few RL steps on a tiny random
-policy, one of them preempting the spot slice mid-run: the launcher re-creates it and the run ends at its last step.
+policy, one of them with a verifier on a Spot CPU VM and preempting the spot slice and the VM mid-run: the launcher
+re-creates both and the run ends at its last step.
 """
 import json
 import os
@@ -84,6 +85,16 @@ def test_fake_gcloud_refuses_what_the_docs_do_not_list(tmp_path):
     r = subprocess.run(gc + argv, env=env, capture_output=True, text=True)
     assert r.returncode != 0 and why in r.stderr, (argv, r.stderr)
   assert not os.path.exists(os.path.join(root, "nodes"))
+  vm = ["gcloud", "compute", "instances", "create", "v", "--zone=z"]
+  for argv, why in [(["--machine-type=n2-standard-12", "--image-family=ubuntu-2204-lts", "--image-project=ubuntu-os-cloud"],
+                     "'n2-standard-12' does not exist"),
+                    (["--machine-type=n2-standard-8", "--image-family=ubuntu-2204-lts", "--image-project=debian-cloud"],
+                     "images/family/ubuntu-2204-lts' was not found"),
+                    (["--machine-type=n2-standard-8", "--image-family=debian-12", "--image-project=debian-cloud",
+                      "--instance-termination-action=DELETE"], "only for --provisioning-model=SPOT")]:
+    r = subprocess.run(vm + argv, env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and why in r.stderr, (argv, r.stderr)
+  assert not os.path.exists(os.path.join(root, "instances"))
   # launch.sh with a runtime the docs do not list fails at the fake, before any host is set up
   r = subprocess.run(["bash", "launch.sh", "v5p-8", "--tpu=t", "--zone=z", "--runtime=v2-alpha-tpuv5p-base",
                       f"--state_dir={tmp_path / 'state'}"], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -107,6 +118,26 @@ def test_pod_dry_run_commands_are_exact_and_parse():
     assert subprocess.run(["bash", "-n"], input=cmd, text=True).returncode == 0, cmd
   assert created(out, "t") == ("v5p-16", "v2-alpha-tpuv5", True)
   assert any(" scp " in l and ".secrets/token" in l for l in lines)
+
+
+def test_pod_dry_run_verifier_vms_are_spot_cpu_vms_the_fake_accepts(tmp_path):
+  out = dry("v5p-16", "--spot", "--verifier_vms=2", "--verifier_machine=n2-standard-16",
+            "--worker_args=--verifier_workers=2", "--verifier_args=--verifier_workers=16")
+  argvs = [shlex.split(l) for l in out.splitlines() if l.startswith("gcloud compute ")]
+  creates = [a for a in argvs if a[2:4] == ["instances", "create"]]
+  assert [a[4] for a in creates] == ["t-verifier0", "t-verifier1"]
+  root, env = fake_pod(tmp_path)
+  for a in creates:  # what launch.sh asks for, the fake (the Compute Engine docs' types and images) accepts
+    assert "--provisioning-model=SPOT" in a and "--machine-type=n2-standard-16" in a, a
+    subprocess.run(a, env=env, check=True, capture_output=True)
+  for vm in ("t-verifier0", "t-verifier1"):
+    ssh = [a for a in argvs if a[2] == "ssh" and a[3] == vm]
+    setup, role = ssh[0][-1], ssh[-1][-1]
+    assert setup.endswith("bash rl/launch.sh host_setup requirements.txt"), setup  # CPU jax, no libtpu
+    cmd = shlex.split(role[len("--command="):].split(" && ")[-1])
+    assert cmd[3:9] == ["host", "verifier", "runs/pod", "rollout.py", "--mode=verifier", "--server=SERVER_IP:5555"] and f"--worker_id={vm}" in cmd
+    assert cmd.index("--verifier_workers=16") > cmd.index("--verifier_workers=2"), cmd  # absl: the last one wins
+    assert any(a[2] == "scp" and a[-2] == f"{vm}:rl/.secrets/token" for a in argvs)
 
 
 # ------------------------------------------------------------------------------------------------ fake pod
@@ -228,9 +259,10 @@ def finish(proc, root, tmp_path, timeout):
   finally:
     if proc.poll() is None:
       os.killpg(proc.pid, signal.SIGKILL)
-    for node in os.listdir(os.path.join(root, "nodes")) if os.path.isdir(os.path.join(root, "nodes")) else []:
-      fake_gcloud.ROOT = root
-      fake_gcloud._kill_node(node[:-len(".json")])
+    for kind in ("nodes", "instances"):
+      for node in os.listdir(os.path.join(root, kind)) if os.path.isdir(os.path.join(root, kind)) else []:
+        fake_gcloud.ROOT = root
+        fake_gcloud._kill_node(node[:-len(".json")])
   out = open(tmp_path / "launch.log").read()
   assert rc == 0, out[-4000:]
   return out
@@ -271,21 +303,30 @@ def test_pod_v6e8_spot_preemption_recreates_slice_and_finishes(tmp_path):
   # --max_staleness=1: each step after the second needs rollouts of a newer policy, so the run cannot finish on the
   # rollouts the workers queued while the trainer compiled (with the default 4 it once ran steps 1-5 in 0.4 s, and
   # the pod was preempted after DONE).
-  proc = pod_launch("v6e-8", tmp_path, env, steps, "--spot", f"--run_dir={shared}", train=["--max_staleness=1"])
+  # One verifier VM (a Spot CPU VM): the workers send it their groups to score.
+  proc = pod_launch("v6e-8", tmp_path, env, steps, "--spot", f"--run_dir={shared}", "--verifier_vms=1",
+                    train=["--max_staleness=1"])
   t0 = time.time()
   while steps_done(shared) < 2:
     assert proc.poll() is None, open(tmp_path / "launch.log").read()[-3000:]
     assert time.time() - t0 < 300, "no training step within 300 s"
     time.sleep(0.2)
   fake_gcloud.preempt(root, "t")  # kills every process on the slice before it returns
+  fake_gcloud.preempt(root, "t-verifier0")  # --instance-termination-action=DELETE: the VM is gone
   assert not os.path.exists(os.path.join(shared, "DONE")), "the run finished before the preemption: nothing tested"
   out = finish(proc, root, tmp_path, 400)
-  assert "slice t is PREEMPTED" in out and "training done" in out
+  assert "t is PREEMPTED" in out and "t-verifier0 is MISSING" in out and "training done" in out, out[-3000:]
   creates = calls(root, "create", "t-qr")
   assert len(creates) == 2 and all("--spot" in c and "--accelerator-type=v6e-8" in c for c in creates)
+  vms = calls(root, "instances", "create", "t-verifier0")
+  assert len(vms) == 2 and all("--provisioning-model=SPOT" in c for c in vms)
   assert open(os.path.join(shared, "DONE")).read() == str(steps)
-  lineage = {json.loads(l)["step"] for l in open(os.path.join(shared, "metrics.jsonl"))}
-  assert lineage == set(range(1, steps + 1))
+  recs = [json.loads(l) for l in open(os.path.join(shared, "metrics.jsonl"))]
+  assert {r["step"] for r in recs} == set(range(1, steps + 1))
+  assert any(r.get("scored_by_verifier", 0) > 0 for r in recs), recs  # the VM's verifier scored rollouts
+  # the re-created VM got the project again and started its verifier (its own log, on its own host)
+  log = open(os.path.join(root, "hosts", "t-verifier0", "w0", "rl", shared, "logs", "verifier.log")).read()
+  assert "serving the queue to_score" in log, log[-2000:]
 
 
 # ------------------------------------------------------------------------------------------------ local runs
