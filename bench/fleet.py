@@ -46,8 +46,8 @@ Every simulated peer connects from 127.0.0.1, so the server runs with its per-pe
 (--max_peer_requests, --max_peer_rps): on a pod each worker host is its own peer.
 
   python -m bench.fleet                                    # N = 1..128, then 240 s of preemption (~12 min)
-  python -m bench.fleet --ns=1,4,16,64,128 --chaos_s=0 --d_model=256 --layers=2   # weight sync at ~N MB / version
-  python -m bench.fleet --ns=1,4,16,64,128 --chaos_s=0 --d_model=256 --layers=2 --pull=false  # the same, no pulls
+  python -m bench.fleet --ns=1,4,16,64,128 --chaos_s=0 --d_model=128 --layers=2  # 1.2 MB (fp32) per version
+  python -m bench.fleet --ns=1,4,16,64,128 --chaos_s=0 --d_model=128 --layers=2 --pull=false  # the same, no pulls
   python -m bench.fleet --prompts_per_step=64 --chaos_s=0  # a window of 2 x 64 prompts: it binds at 32 workers
   python -m bench.fleet --ns=1,4,16 --phase_s=10 --chaos_s=60 --chaos_workers=8   # a quick look
 """
