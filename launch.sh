@@ -110,16 +110,18 @@ parse_local_flags() {
 # Defaults of the built-in demo: one place, so that RESULTS.md numbers come from exactly these settings.
 # The task (tasks.TASKS) and its options: sums of numbers below 100, held out by operand pair (b+a of a held-out a+b
 # is held out too); 7,961 training problems exist.
-DEMO_TASK=arithmetic DEMO_TASK_ARGS=difficulty=2,ops=+
-DEMO_TASK_FLAGS=("--task=$DEMO_TASK" "--task_args=$DEMO_TASK_ARGS" --train_size=7900)
+DEMO_TASK=arithmetic DEMO_TASK_ARGS=difficulty=2,ops=+,region=lo
+DEMO_TASK_FLAGS=("--task=$DEMO_TASK" "--task_args=$DEMO_TASK_ARGS" --train_size=1900)
 # The base is SFT on a flawed teacher (--sft_slip: 90% of its answers end one too high) trained until it imitates it
 # (the mean loss of 50 steps of 128 <= 0.15 nats/token, at most 4000 steps: a fixed 1600 left seed 1 on the loss
 # plateau at 0.36, RESULTS.md "The main job"), and GRPO with the exact-answer verifier must unlearn the habit.
 # (Input-dependent flaws tried for issue 40 are in RESULTS.md too.)
-DEMO_SFT_FLAGS=(--sft_steps=4000 --sft_batch=128 --sft_lr=3e-3 --sft_slip=0.9 --sft_target_loss=0.15)
+DEMO_SFT_FLAGS=(--task_args=difficulty=2,ops=+ --train_size=7900 --sft_steps=4000 --sft_batch=128 --sft_lr=3e-3
+                --sft_slip=0.95 --sft_slip_if=carry --sft_target_loss=0.06)
 DEMO_RL_FLAGS=(--algo=grpo --steps=400 --prompts_per_step=16 --group_size=8 --lr=3e-4 --dynamic_sampling
                 --checkpoint_every=10)
-DEMO_EVAL_FLAGS=("--eval_task=$DEMO_TASK" "--eval_task_args=$DEMO_TASK_ARGS" --eval_n=500 --k=8 --temperature=1.0)
+DEMO_EVAL_FLAGS=("--eval_task=$DEMO_TASK" --eval_task_args=difficulty=2,ops=+,region=hi --eval_n=500 --k=8
+                 --temperature=1.0)
 # Defaults for a real model (--init_checkpoint and/or --train_jsonl): the demo's lr 3e-4 / dynamic
 # sampling would wreck a pretrained LLM. lr 1e-6 is the usual GRPO learning rate for 0.5B-32B models (DAPO, Dr.GRPO
 # recipes use 1e-6); flags after "--" override any of these (absl takes the last value of a repeated flag).

@@ -1001,7 +1001,8 @@ class Weights:
 
 def run_eval():
   """pass@1 and pass@k of --checkpoint over --eval_n problems, --k samples each: the mean over problems and its
-  standard error (the problems are the independent draws)."""
+  standard error (the problems are the independent draws); --out also gets each problem's prompt and its count
+  of correct samples (`correct`), for breakdowns by kind of problem."""
   tok = data.load_tokenizer(FLAGS.tokenizer)
   # The worker's mesh (tensor parallel over --tensor_parallel local devices), the checkpoint read straight into it.
   mesh = model.make_mesh(1, 1, FLAGS.tensor_parallel, devices=jax.local_devices())
@@ -1026,8 +1027,8 @@ def run_eval():
   out = data.pass_at_k_summary(correct)
   out.update(n_problems=len(res), n_samples=n, temperature=sc.temperature, seconds=time.time() - t0,
              examples=[(probs[i].prompt, comps[i]) for i in range(0, min(len(comps), 5 * n), n)],
-             checkpoint=FLAGS.checkpoint)
-  print(json.dumps({k: v for k, v in out.items() if k != "examples"}))
+             checkpoint=FLAGS.checkpoint, correct=[(by_id[pid].prompt, int(c)) for pid, c in zip(res, correct.sum(1))])
+  print(json.dumps({k: v for k, v in out.items() if k not in ("examples", "correct")}))
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
       json.dump(out, f, indent=1)

@@ -55,6 +55,7 @@ import data
 import losses
 import model
 import param_server
+from tasks import arithmetic
 
 FLAGS = flags.FLAGS
 
@@ -157,6 +158,9 @@ def define_flags():
                      "high (9 -> 0): a flawed teacher. SFT run to convergence then lands at a known per-sample pass "
                      "rate (1 - slip) whatever the seed, and RL with the verifier has to unlearn the habit. "
                      "0 = a perfect teacher. Default 0.")
+  flags.DEFINE_enum("sft_slip_if", "always", ["always", "carry"], "Where the teacher slips: on every answer, or "
+                    "only on sums whose units digits carry (an input-dependent flaw: RL must tell the two apart). "
+                    "Default always.")
   flags.DEFINE_string("sft_out", None, "Where SFT writes its HF checkpoint. Default <run_dir>/base.")
   flags.DEFINE_string("model_config", "d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,ffw_dim=512",
                       "Tiny model shape for SFT from scratch. Default d_model=128,n_layers=2,n_heads=4,n_kv_heads=2,"
@@ -187,6 +191,10 @@ def define_flags():
   flags.register_multi_flags_validator(
       ["curate_prompts", "pass_band"], lambda f: not f["curate_prompts"] or f["pass_band"],
       message="--curate_prompts needs a --pass_band (e.g. 0,1: drop never- and always-solved prompts)")
+  flags.register_multi_flags_validator(
+      ["sft_slip_if", "task", "train_jsonl"], lambda f: f["sft_slip_if"] == "always" or (
+          f["task"] == "arithmetic" and not f["train_jsonl"]),
+      message="--sft_slip_if=carry reads a sum's operands: it needs --task=arithmetic and no --train_jsonl")
   flags.register_multi_flags_validator(
       ["group_size", "dynamic_sampling"], lambda f: f["group_size"] >= 2 or not f["dynamic_sampling"],
       message="--dynamic_sampling needs --group_size >= 2 (a group of 1 always has zero variance: every group "
@@ -1460,7 +1468,7 @@ def run_sft():
   for i in range(FLAGS.sft_steps):
     probs = stream.take(FLAGS.sft_batch)
     b = data.make_batch([encode(p) for p in probs],
-                        [tok.encode(teacher_completion(p, FLAGS.sft_slip, teacher_rng)) + [tok.eos_id]
+                        [tok.encode(teacher_completion(p, FLAGS.sft_slip, teacher_rng, FLAGS.sft_slip_if)) + [tok.eos_id]
                          for p in probs], buckets, tok.pad_id)
     b = {k: b[k].astype(np.float32 if k == "loss_mask" else np.int32) for k in ("tokens", "targets", "positions",
                                                                                "segment_ids", "loss_mask")}
@@ -1483,12 +1491,15 @@ def run_sft():
   logging.info("sft done: %s", out)
 
 
-def teacher_completion(problem, slip: float, rng) -> str:
+def teacher_completion(problem, slip: float, rng, where="always") -> str:
   """The SFT target: the reference completion, except that with probability `slip` (one draw of `rng`) the last
-  digit is written one too high (9 -> 0). The rest of the answer stays right, so the student must still learn the
-  task to imitate the slip; the slip is a habit RL can remove, not a skill it has to discover."""
+  digit is written one too high (9 -> 0), on every problem or (where="carry") only on a sum whose units digits
+  carry. The rest of the answer stays right, so the student must still learn the task to imitate the slip; the
+  slip is a habit RL can remove, not a skill it has to discover."""
   text = data.reference_completion(problem)
   last = max((i for i, c in enumerate(text) if c.isdigit()), default=None)
+  if where == "carry" and not arithmetic.units_carry(problem.prompt):
+    return text
   if slip and rng.random() < slip and last is not None:
     text = text[:last] + str((int(text[last]) + 1) % 10) + text[last + 1:]
   return text

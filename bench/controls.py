@@ -14,8 +14,8 @@ plus the arm's flags after "--":
           re-enters the band as the policy changes (its curation calls are counted as verifier calls too)
   verifiers  grpo with the verifier role: launch.sh --verifiers=2 (the workers score nothing themselves)
 
-It prints per arm and seed the held-out pass@1/pass@8 before and after (with standard errors), the training
-reward, verifier calls, wall time, and held-out pass@8 per step and per wall second (--eval_every), then a table
+It prints per arm and seed the held-out pass@1/pass@8 before and after (with standard errors), pass@1 split by
+the demo's flaw (sums whose units digits carry, where the teacher slips, and the others), the training reward, verifier calls, wall time, and held-out pass@8 per step and per wall second (--eval_every), then a table
 of the mean and range over seeds, and writes curves (per step, per wall second) to <out_dir>/controls.png.
 The first arm of a seed builds the SFT base and its held-out eval; the other arms copy them.
 
@@ -31,6 +31,7 @@ import statistics
 import subprocess
 
 from bench.util import ROOT
+from tasks import arithmetic
 
 ARMS = {"grpo": [], "sync": ["--max_staleness=0"], "dr_grpo": ["--algo=dr_grpo"], "star": ["--algo=star"],
         "curate": ["--curate_prompts=2048", "--pass_band=0,1"], "verifiers": ["--verifiers=2"]}
@@ -73,6 +74,12 @@ def summarize(run):
       # curation's (one group per rated prompt)
       calls=group * (sum(len(r["rollout_ids"]) + r.get("stale_dropped", 0) + r.get("zero_var_dropped", 0)
                          for r in steps_) + sum(r.get("curation_prompts", 0) for r in recs)))
+
+
+def by_carry(ev):
+  """pass@1 (%) of an eval's carrying sums and of the others: where the demo's teacher slips and where it does not."""
+  split = [[k for p, k in ev["correct"] if arithmetic.units_carry(p) == c] for c in (True, False)]
+  return [100 * sum(ks) / (len(ks) * ev["n_samples"]) for ks in split]
 
 
 def plot(res, seeds, arms, path):
@@ -122,19 +129,22 @@ def main():
       w = r["steps"]
       print(f"seed {seed} {arm}: {len(w)} steps in {r['secs']:.0f} s; verifier calls {r['calls']}; held-out pass@1 "
             f"{pct(r['before'], 'pass@1')} -> {pct(r['after'], 'pass@1')}, pass@8 {pct(r['before'], 'pass@8')} -> "
-            f"{pct(r['after'], 'pass@8')}; training reward first/last 20 steps "
+            f"{pct(r['after'], 'pass@8')}; pass@1 carrying sums / others {'%.1f / %.1f' % tuple(by_carry(r['before']))} "
+            f"-> {'%.1f / %.1f' % tuple(by_carry(r['after']))}; training reward first/last 20 steps "
             f"{statistics.mean(x['reward'] for x in w[:20]):.3f} / {statistics.mean(x['reward'] for x in w[-20:]):.3f};"
             f" scored by the verifier role {100 * r['remote']:.0f}%, verdicts from the cache {100 * r['reused']:.0f}%;"
             f" held-out pass@8 (step, s, %): {[(s, round(t), round(100 * p8, 1)) for s, t, p8 in r['evals']]}",
             flush=True)
   print(f"\n| arm | held-out pass@8 before -> after | gain (mean, min..max over seeds {a.seeds}) | pass@1 after | "
-        "verifier calls | verdicts from the cache | wall s of the RL steps |\n|---|---|---|---|---|---|---|")
+        "pass@1 carrying sums / others, before -> after | verifier calls | verdicts from the cache | "
+        "wall s of the RL steps |\n|---|---|---|---|---|---|---|---|")
   for arm in arms:
     rs = [res[s, arm] for s in seeds]
     gains = [100 * (r["after"]["pass@8"] - r["before"]["pass@8"]) for r in rs]
     print(f"| {arm} | {statistics.mean(100 * r['before']['pass@8'] for r in rs):.1f} -> "
           f"{statistics.mean(100 * r['after']['pass@8'] for r in rs):.1f} | {statistics.mean(gains):+.1f} "
           f"({min(gains):+.1f}..{max(gains):+.1f}) | {statistics.mean(100 * r['after']['pass@1'] for r in rs):.1f} | "
+          f"{'%.1f / %.1f -> %.1f / %.1f' % tuple(statistics.mean(x) for x in zip(*[by_carry(r['before']) + by_carry(r['after']) for r in rs]))} | "
           f"{statistics.mean(r['calls'] for r in rs):.0f} | {statistics.mean(100 * r['reused'] for r in rs):.0f}% | "
           f"{statistics.mean(r['secs'] for r in rs):.0f} ({min(r['secs'] for r in rs):.0f}..{max(r['secs'] for r in rs):.0f}) |")
   plot(res, seeds, arms, os.path.join(a.out_dir, "controls.png"))

@@ -11,22 +11,33 @@ ALPHABET = "0123456789+-*/()=:> "
 TOKENIZER_CORPUS = (ALPHABET, [dict(difficulty=d, ops="+-*") for d in (2, 3, 4)])
 
 
-def generate(seed, difficulty=3, ops="+-"):
+def generate(seed, difficulty=3, ops="+-", region="all"):
   """difficulty: max digits per operand (each draws its digit count uniformly in 1..difficulty first, so short
-  operands are not swamped by long ones); ops: a non-empty subset of "+-*"."""
+  operands are not swamped by long ones); ops: a non-empty subset of "+-*"; region: "all", "lo" (both operands
+  below half of 10**difficulty) or "hi" (the rest: one operand or both at or above it), for a held-out shift: RL
+  on "lo", evaluated on "hi" (the same draws, filtered: "all" is every draw)."""
   if not isinstance(difficulty, int) or difficulty < 1:
     raise ValueError(f"arithmetic: difficulty must be an int >= 1, got {difficulty!r}")
   if not ops or set(ops) - set("+-*"):
     raise ValueError(f"arithmetic: bad ops {ops!r} (a non-empty subset of '+-*')")
-  rng = random.Random(f"arithmetic|{difficulty}|{ops}|10|{seed}")  # "10": the seed string's historical form
+  if region not in ("all", "lo", "hi"):
+    raise ValueError(f"arithmetic: region must be all, lo or hi, got {region!r}")
+  rng, half = random.Random(f"arithmetic|{difficulty}|{ops}|10|{seed}"), 10 ** difficulty // 2  # "10": historical
   while True:
     a, b, op = _operand(rng, difficulty), _operand(rng, difficulty), rng.choice(ops)
-    yield f"{a}{op}{b}=", str(OPS[op](a, b))
+    if region == "all" or (max(a, b) < half) == (region == "lo"):
+      yield f"{a}{op}{b}=", str(OPS[op](a, b))
 
 
 def _operand(rng, digits):
   nd = rng.randint(1, digits)
   return rng.randint(0 if nd == 1 else 10 ** (nd - 1), 10 ** nd - 1)
+
+
+def units_carry(prompt):
+  """Whether a sum's units digits carry into the tens (17+25=: 7+5 >= 10): where the demo's teacher slips."""
+  a, op, b = re.fullmatch(r"(\d+)([-+*/])(\d+)=", prompt).groups()
+  return op == "+" and int(a[-1]) + int(b[-1]) >= 10
 
 
 def split_key(prompt):

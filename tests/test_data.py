@@ -1,6 +1,7 @@
 """Tests for data.py and tasks/: tokenizer, jsonl datasets, prompt stream, built-in tasks, verifiers, the verifier
 pool, pass rates, batching (the code sandbox: tests/test_sandbox.py). Run: python -m pytest -q tests/test_data.py"""
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -10,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from bench import util as benchutil
 import data
 import tasks
 from data import Problem
@@ -54,6 +56,29 @@ def test_held_out_arithmetic_has_no_commuted_twin_in_training(ops):
     for p in ev:
       a, op, b = p.prompt[:-1].partition(ops)
       assert p.prompt not in tr and f"{b}{op}{a}=" not in tr, p.prompt
+
+
+def test_demo_held_out_set_is_a_shift_rl_never_samples(tmp_path):
+  """Issue 40 item 2, with the demo's own settings (launch.sh --print_settings): RL samples sums whose operands are
+  both below 50, the held-out set only sums with an operand of 50 or more, and none of its problems, nor their
+  commuted twins, is among the SFT teacher's problems (every range) or RL's. The regions are read off the prompts
+  here, not from the task's code."""
+  out = subprocess.run(["bash", "launch.sh", "local", "--print_settings", f"--run_dir={tmp_path}"], cwd=benchutil.ROOT,
+                       capture_output=True, text=True, env=benchutil.child_env(), check=True).stdout
+  lines = out.splitlines()
+  flag = lambda head, name: re.search(rf"--{name}=(\S+)", next(l for l in lines if l.startswith(head))).group(1)  # noqa: E731
+  args = lambda head, name: {k: int(v) if k == "difficulty" else v  # noqa: E731
+                             for k, v in (kv.split("=") for kv in flag(head, name).split(","))}
+  rl_args, sft_args, ev_args = args("rl:", "task_args"), args("sft:", "task_args"), args("eval:", "eval_task_args")
+  ev = data.make_task_problems("arithmetic", int(flag("eval:", "eval_n")), seed=1234, split="eval", **ev_args)
+  pair = lambda p: tuple(sorted(map(int, p.prompt[:-1].split("+"))))  # noqa: E731
+  assert all(max(pair(p)) >= 50 for p in ev) and min(max(pair(p)) for p in ev) == 50
+  for seed in (0, 1, 2):
+    rl = data.make_task_problems("arithmetic", int(flag("rl:", "train_size")), seed=seed, **rl_args)
+    sft = data.make_task_problems("arithmetic", int(flag("sft:", "train_size")), seed=seed, **sft_args)
+    assert all(max(pair(p)) < 50 for p in rl) and max(max(pair(p)) for p in rl) == 49
+    assert sum(max(pair(p)) >= 50 for p in sft) > 5000  # the base learns to add in the held-out range
+    assert not {pair(p) for p in ev} & {pair(p) for p in rl + sft}
 
 
 def test_task_tokenizer_deterministic_and_reused(tmp_path):

@@ -237,6 +237,12 @@ def test_sft_teacher_slips_only_the_last_digit_at_its_rate():
     assert int(o[-1]) == (int(p.answer[-1]) + s) % 10
   assert all(train.teacher_completion(p, 0.0, rng) == p.answer for p in probs[:100])
   assert train.teacher_completion(data.Problem("x", "1+8=", "9", "arithmetic"), 0.999999, random.Random(1)) == "0"
+  # --sft_slip_if=carry (the demo's input-dependent flaw): it slips only where the units digits carry (7+5 >= 10)
+  outs = [train.teacher_completion(p, 0.9, rng, "carry") for p in probs]
+  carry = [int(p.prompt.split("+")[0][-1]) + int(p.prompt[:-1].split("+")[1][-1]) >= 10 for p in probs]
+  assert 0.4 < np.mean(carry) < 0.5
+  assert not any(o != p.answer for o, p, c in zip(outs, probs, carry) if not c)
+  assert 0.87 < np.mean([o != p.answer for o, p, c in zip(outs, probs, carry) if c]) < 0.93
 
 
 def test_hostmem_tune_stops_fresh_pages_in_every_step():
