@@ -108,14 +108,14 @@ parse_local_flags() {
 }
 
 # Defaults of the built-in demo: one place, so that RESULTS.md numbers come from exactly these settings.
-# The task (tasks.TASKS) and its options: sums of numbers below 100, held out by operand pair (b+a of a held-out a+b
-# is held out too); 7,961 training problems exist.
+# The task (tasks.TASKS): sums of numbers below 100. The base is SFT on all of them (held-out operand pairs excepted)
+# from a teacher whose flaw depends on the input: where the units digits carry, 95% of its answers end one too high;
+# elsewhere it is right. SFT stops at a mean loss of 0.06 nats/token over 50 steps of 128 (at most 4000). RL samples
+# only sums of operands below 50 (1,973 exist) and must learn where not to slip; the held-out set is sums with an
+# operand of 50 or more (a shift: RL never samples one), held out by operand pair (b+a with a+b) from SFT and RL.
+# (Other input-dependent flaws and shifts tried for issue 40: RESULTS.md.)
 DEMO_TASK=arithmetic DEMO_TASK_ARGS=difficulty=2,ops=+,region=lo
 DEMO_TASK_FLAGS=("--task=$DEMO_TASK" "--task_args=$DEMO_TASK_ARGS" --train_size=1900)
-# The base is SFT on a flawed teacher (--sft_slip: 90% of its answers end one too high) trained until it imitates it
-# (the mean loss of 50 steps of 128 <= 0.15 nats/token, at most 4000 steps: a fixed 1600 left seed 1 on the loss
-# plateau at 0.36, RESULTS.md "The main job"), and GRPO with the exact-answer verifier must unlearn the habit.
-# (Input-dependent flaws tried for issue 40 are in RESULTS.md too.)
 DEMO_SFT_FLAGS=(--task_args=difficulty=2,ops=+ --train_size=7900 --sft_steps=4000 --sft_batch=128 --sft_lr=3e-3
                 --sft_slip=0.95 --sft_slip_if=carry --sft_target_loss=0.06)
 DEMO_RL_FLAGS=(--algo=grpo --steps=400 --prompts_per_step=16 --group_size=8 --lr=3e-4 --dynamic_sampling

@@ -14,8 +14,7 @@ TOKENIZER_CORPUS = (ALPHABET, [dict(difficulty=d, ops="+-*") for d in (2, 3, 4)]
 def generate(seed, difficulty=3, ops="+-", region="all"):
   """difficulty: max digits per operand (each draws its digit count uniformly in 1..difficulty first, so short
   operands are not swamped by long ones); ops: a non-empty subset of "+-*"; region: "all", "lo" (both operands
-  below half of 10**difficulty) or "hi" (the rest: one operand or both at or above it), for a held-out shift: RL
-  on "lo", evaluated on "hi" (the same draws, filtered: "all" is every draw)."""
+  below 10**difficulty / 2) or "hi" (the rest), for a held-out shift (the demo: RL on "lo", eval on "hi")."""
   if not isinstance(difficulty, int) or difficulty < 1:
     raise ValueError(f"arithmetic: difficulty must be an int >= 1, got {difficulty!r}")
   if not ops or set(ops) - set("+-*"):
