@@ -71,7 +71,11 @@ def test_real_checkpoint_gsm8k_jsonl_run(tmp_path):
   assert not os.path.exists(sup) or "worker0 exited" not in open(sup).read()  # the worker never died
   assert "pass@1" in p.stdout and os.path.exists(os.path.join(run, "eval_after.json")), p.stdout[-2000:]
   # The before/after evals sample as the rollouts do: at the trainer's --temperature, not the eval's default 1.0.
-  assert [json.load(open(os.path.join(run, f"eval_{w}.json")))["temperature"] for w in ("before", "after")] == [0.9] * 2
+  evs = [json.load(open(os.path.join(run, f"eval_{w}.json"))) for w in ("before", "after")]
+  assert [e["temperature"] for e in evs] == [0.9] * 2
+  for e in evs:  # each problem's count of correct samples (breakdowns by kind, bench.controls) sums to pass@1
+    assert len(e["correct"]) == e["n_problems"] and all(0 <= k <= e["n_samples"] for _, k in e["correct"])
+    assert abs(sum(k for _, k in e["correct"]) / (e["n_problems"] * e["n_samples"]) - e["pass@1"]) < 1e-9
   assert f"{train}:4" in trainer_log and "skipped 1 of 8" in trainer_log
   # Defaults that fit: the 1024-token default completion budget would not fit the 512 positions, and one
   # micro-batch would not fit the memory budget; both adapt with no flag.
