@@ -698,13 +698,13 @@ pod_ensure_slice() {  # NAME
 # Per-host setup of one slice: a copy of this checkout (no .venv/runs/.git), host_setup (venv, pinned jax[tpu]), the
 # server token (scp'd into a 0700 dir: never on a command line), and the checkpoint / tokenizer when they are local
 # paths (small models; for big ones pass a path on the hosts, e.g. a gcsfuse mount).
-# A verifier VM gets the CPU requirements (no libtpu), once its sshd answers (it boots after create returns).
+# A verifier VM gets the CPU requirements (no libtpu) once sshd answers (--quiet: a new ssh key with no prompt).
 pod_setup_slice() {
   local name="$1" k tries=0 req=""
   echo "== setting up $name"
   if pod_is_vm "$name"; then
     req=requirements.txt
-    until [ $POD_DRY = 1 ] || gcloud compute ssh "$name" --zone="$POD_ZONE" --command=true &>/dev/null; do
+    until [ $POD_DRY = 1 ] || gcloud compute ssh "$name" --zone="$POD_ZONE" --quiet --command=true &>/dev/null; do
       [ $((tries += 1)) -lt 30 ] || die "VM $name: no ssh after 30 tries"; sleep 10
     done
   fi
