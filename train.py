@@ -192,7 +192,8 @@ def define_flags():
       ["curate_prompts", "pass_band"], lambda f: not f["curate_prompts"] or f["pass_band"],
       message="--curate_prompts needs a --pass_band (e.g. 0,1: drop never- and always-solved prompts)")
   flags.register_multi_flags_validator(["sft_slip_if", "task", "train_jsonl"], lambda f: f["sft_slip_if"] == "always"
-      or (f["task"] == "arithmetic" and not f["train_jsonl"]), message="--sft_slip_if=carry needs --task=arithmetic")
+      or (f["task"] == "arithmetic" and not f["train_jsonl"]), message="--sft_slip_if=carry needs generated "
+      "arithmetic (--task=arithmetic, no --train_jsonl)")
   flags.register_multi_flags_validator(
       ["group_size", "dynamic_sampling"], lambda f: f["group_size"] >= 2 or not f["dynamic_sampling"],
       message="--dynamic_sampling needs --group_size >= 2 (a group of 1 always has zero variance: every group "

@@ -206,9 +206,9 @@ def main(argv):
     group, (pos, kv, flags) = argv[2], _opts(argv[3:])
     verb, rest, what = pos[0], pos[1:], f"compute.tpus.{argv[2]}.{pos[0]}"
   elif argv[:2] == ["compute", "instances"] or argv[:2] in (["compute", "ssh"], ["compute", "scp"]):
-    group, (pos, kv, flags) = "vm", _opts(argv[2:] if argv[1] != "instances" else argv[3:])
-    verb, rest = (argv[2], pos) if argv[1] == "instances" else (argv[1], pos)
-    what = f"compute.{'instances.' if argv[1] == 'instances' else ''}{verb}"
+    at = 2 if argv[1] == "instances" else 1  # compute instances VERB ... / compute ssh|scp ...
+    group, verb, (rest, kv, flags) = "vm", argv[at], _opts(argv[at + 1:])
+    what = ".".join(argv[:at + 1])
   else:
     sys.exit(f"fake gcloud: unsupported {argv}")
   try:
@@ -227,11 +227,11 @@ def _run(group, verb, rest, kv, flags):
     if verb == "delete":
       return _delete(rest[0], "instances")
     if verb == "describe":
-      if _load("instances", rest[0]) is None:
+      rec = _load("instances", rest[0])
+      if rec is None:
         print(f"ERROR: (gcloud.compute.instances.describe) Could not fetch resource:\n - The resource "
               f"'projects/p/zones/z/instances/{rest[0]}' was not found", file=sys.stderr)
-        return 1
-      return _describe(_load("instances", rest[0]), kv.get("format", ""))
+      return _describe(rec, kv.get("format", ""))
     if verb in ("ssh", "scp"):
       name = rest[0] if verb == "ssh" else rest[1].split(":", 1)[0]
       if (_load("instances", name) or {}).get("state") != "RUNNING":

@@ -45,10 +45,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # servers too), the repeated-error check written tighter, a task's SFT reference defaulting to its answer, reply fields
 # and a return value nothing read. Issue 42 item 2 on a pod (+46): verifiers on their own CPU VMs (--verifier_vms=M,
 # Spot with --spot), created, set up with CPU jax, monitored and re-created like the slices through one set of
-# ssh / scp / state helpers that tell a VM from a slice. Issue 40 items 1-2 (+22): the demo's input-dependent flaw
+# ssh / scp / state helpers that tell a VM from a slice. Issue 40 items 1-2 (+23): the demo's input-dependent flaw
 # (--sft_slip_if=carry and its check), the held-out shift (arithmetic's region=lo|hi), each eval problem's count of
 # correct samples in eval_*.json. Raise these only in the commit that needs it, and say why.
-TOTAL_BUDGET = 8751
+TOTAL_BUDGET = 8752
 FILE_BUDGET = 1911  # no single file past this: param_server.py is the largest
 
 
