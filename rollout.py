@@ -898,7 +898,8 @@ def placed(p, shape):
   dest = tuple((d.start, d.stop) for d in dest)
   if kind == "sparse":
     region = [hi - lo for lo, hi in dest]
-    pos = np.ravel_multi_index(tuple(i + lo for i, (lo, _) in zip(np.unravel_index(pos, region), dest)), shape)
+    if region != list(shape):  # (a whole slice's positions are the slice's already)
+      pos = np.ravel_multi_index(tuple(i + lo for i, (lo, _) in zip(np.unravel_index(pos, region), dest)), shape)
     n = 1 << max(len(pos) - 1, 0).bit_length()
     pos, a = np.pad(pos, (0, n - len(pos)), constant_values=math.prod(shape)), np.pad(a, (0, n - len(a)))
   return a, pos, dest, kind

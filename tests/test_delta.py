@@ -155,6 +155,16 @@ def test_delta_encoding_picks_the_smallest_and_round_trips():
     assert enc == want and changed == int((new.view(np.uint16) != old.view(np.uint16)).sum())
     out = ps.apply_patch(old.copy(), (slice(None),), *ps.delta_decode(enc, payload, 4096, 2))
     assert np.array_equal(out.view(np.uint16), new.view(np.uint16))
+  old32 = rng.normal(0, 0.02, 4096).astype(np.float32)  # 4-byte elements: the sparse path's other plane count
+  new32 = old32.copy()
+  new32[rng.integers(0, 4096, 80)] *= np.float32(1.001)
+  enc, payload, _ = ps.delta_encode(new32.view(np.uint8), old32.view(np.uint8), 4)
+  assert enc == "sparse_zlib"
+  assert np.array_equal(ps.apply_patch(old32.copy(), (slice(None),), *ps.delta_decode(enc, payload, 4096, 4)), new32)
+  # Known answer, written from delta_encode's docstring (position gaps as 4 byte planes, low byte first, then the
+  # XORs' byte planes): positions 3 and 5 (gaps 3, 2), XORs 0x0102 and 0x0304.
+  kind, a, pos = ps.delta_decode("sparse_zlib", zlib.compress(bytes([3, 2, 0, 0, 0, 0, 0, 0, 2, 4, 1, 3])), 8, 2)
+  assert kind == "sparse" and pos.tolist() == [3, 5] and a.tolist() == [0x0102, 0x0304]
   with pytest.raises(ValueError, match="sparse payload"):  # a position past the slice
     ps.delta_decode("sparse_zlib", zlib.compress(np.array([5000], "<u4").tobytes() + b"\0\0"), 4096, 2)
   with pytest.raises(ValueError, match="xor payload"):
