@@ -425,12 +425,11 @@ def delta_decode(enc, payload, n, itemsize):
 
 
 def _unplane(planes, dt):
-  """The [k] array of dtype dt whose byte j of every element is planes[j * k:(j + 1) * k] (delta_encode's layout):
-  one plane at a time into a byte view of the result, 3-20x faster than numpy's transposing copy of [size, k]."""
+  """The [k] array of dtype dt whose byte j of every element is planes[j * k:(j + 1) * k] (delta_encode's layout),
+  written a plane at a time: 3-20x faster than numpy's transposing copy of [itemsize, k] (one strided pass)."""
   out = np.empty(planes.size // dt.itemsize, dt)
-  view = out.view(np.uint8).reshape(-1, dt.itemsize)
   for j, plane in enumerate(planes.reshape(dt.itemsize, -1)):
-    view[:, j] = plane
+    out.view(np.uint8).reshape(-1, dt.itemsize)[:, j] = plane
   return out
 
 
@@ -475,8 +474,9 @@ def check_manifest(m):
 
 def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None, token=None):
   """Fetches the version `manifest` describes, one tensor of wanted = {name: [global slice ((start, stop), ...)]}
-  at a time (from a random one on), from the servers holding its pieces in parallel: yields (name, bufs {slice: host
-  array}, patches {slice: [(dest, kind, a, pos)]}). clients: {"host:port": Client}, filled on demand; token: for new ones.
+  at a time (from a random one on), from the servers holding its pieces in parallel: yields (name, bufs {slice:
+  host array}, patches {slice: [(dest, kind, a, pos)]}). clients: {"host:port": Client}, filled on demand; token:
+  for new ones.
   Delta sync: base = the manifest of an older version the reader holds, held(name, slices) -> the slices it holds;
   those come as patches (delta_decode's, or "set" for a piece sent in full; dest: the region of the slice) for the
   reader to apply where they live (rollout.patch on the device; apply_patch: the host reference). A payload with
@@ -546,25 +546,18 @@ def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None, tok
 
 
 def _get(conn, version, base, jobs, dt):
-  """One server's part of a pull, on its own thread: ([(job, array)] fetched in full, [(job, delta reply, patch)]).
-  Each delta payload is crc-checked and decoded here (patch None: bad, to be fetched in full), so a pull from many
-  servers decodes on as many threads (zlib and numpy release the GIL): decoding is a worker's largest cost of a
-  delta (RESULTS, bench.link)."""
+  """One server's part of a pull, on its own thread: ([(job, array)] fetched in full, [(job, delta reply, patch or
+  None if its crc or encoding is bad)]): decoding, a worker's largest cost of a delta, runs on one thread per server."""
   plain = [j for j in jobs if "base_crc" not in j[0]]
   delta = [j for j in jobs if "base_crc" in j[0]]
   got = list(zip(delta, conn.delta(version, base["version"], [r for r, _ in delta]))) if delta else []
   return (list(zip(plain, conn.fetch(version, [r for r, _ in plain]))) if plain else [],
-          [(j, r, _decode(r, j[1][1], dt.itemsize)) for j, r in got])
+          [(j, r, _decode(r, math.prod(d.stop - d.start for d in j[1][1]), dt.itemsize)) for j, r in got])
 
 
-def _decode(r, dest, itemsize):
-  """The patch of a delta reply for region `dest` (delta_decode's), or None if its payload's crc or encoding is bad."""
-  try:
-    if zlib.crc32(r["data"]) != r.get("pcrc"):
-      return None
-    return delta_decode(r["enc"], r["data"], math.prod(d.stop - d.start for d in dest), itemsize)
-  except ValueError:
-    return None
+def _decode(r, n, itemsize):
+  with contextlib.suppress(ValueError):  # (zlib and numpy release the GIL: the threads decode in parallel)
+    return delta_decode(r["enc"], r["data"], n, itemsize) if zlib.crc32(r["data"]) == r.get("pcrc") else None
 
 
 # ----------------------------------------------------------------------------------------------- server

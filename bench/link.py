@@ -7,10 +7,10 @@ Traffic only between the two namespaces (and each one's loopback).
 
 1. Inputs measured here. Over the server namespace's loopback (no shaping): the serving rate of one shard server
    to --workers concurrent full pulls, 8 each (aggregate wall rate, and bytes per second of the server's own CPU
-   time, read from /proc: what one core of it serves), and the loopback delta sync (commit to the last worker's apply). In this
-   process, on the same synthetic weights: the server's delta build (param_server.delta_encode + the payload crc,
-   bytes of the version per core-second) and a worker's decode (crc check + delta_decode, payload bytes per
-   core-second), each on 1 thread and on 2 threads (distinct tensors: how they scale over cores).
+   time, read from /proc: what one core of it serves), and the loopback delta sync (commit to the last worker's
+   apply). In this process, on the same synthetic weights: the server's delta build (param_server.delta_encode +
+   the payload crc, bytes of the version per core-second) and a worker's decode (crc check + delta_decode, payload
+   bytes per core-second), each on 1 thread and on 2 threads (distinct tensors: how they scale over cores).
 2. The link: a version of --model_mb (bf16) published, pulled in full by every worker at once, then the next
    version, differing in --changed of its elements, pulled as a delta. Measured beside the model's prediction:
    full = max(W M / link, W M / serve), delta = W M d / link + the loopback delta sync (d: delta bytes / full).
@@ -20,12 +20,12 @@ Traffic only between the two namespaces (and each one's loopback).
    sync" (bench.sharded --delta: 125M params, bf16, lr 1e-6). Full sync: every worker's bytes through one server
    process per host. Delta sync, its steps summed (no overlap assumed): each server builds its shard's delta, serves
    it to every worker, each worker decodes the whole model's payload (the patches' device scatter is left out: an
-   HBM-local pass, milliseconds at the docs' 2,765 GB/s per v5p chip, not measured here). Each is printed as measured
-   here (one process, the threads the code uses today) and with the cores it would need to meet the goal, beside a
-   v5p host's 208 vCPUs (the docs); the bottleneck named.
+   HBM-local pass, milliseconds at the docs' 2,765 GB/s per v5p chip, not measured here). Each is printed with
+   --cores cores per role and with 1 (throughput assumed linear in cores: 1. measures it on 2), with the cores each
+   goal needs beside a v5p host's 208 vCPUs (the docs), and the bottleneck named.
 
-  sudo python -m bench.link                                     # 64 MiB model, 2 workers, 400 Mbit/s (~1 min)
-  sudo python -m bench.link --model_mb=16 --workers=2 --mbit=200   (the test's size)
+  sudo python -m bench.link                                     # 64 MiB model, 2 workers, 400 Mbit/s (~15 s)
+  sudo python -m bench.link --model_mb=8 --workers=2 --mbit=200    (the test's size)
 """
 import argparse
 import contextlib

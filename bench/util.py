@@ -34,12 +34,12 @@ def best_time(fn, args, reps):
   return min(ts), statistics.median(ts)
 
 
-def matmul_flops_per_s(m, k, n, reps, seed):
-  """Best fp32 FLOP/s of a jitted [m,k] x [k,n] matmul (2*m*k*n FLOPs)."""
+def matmul_flops_per_s(m, k, n, reps, seed, dtype="float32"):
+  """Best FLOP/s of a jitted [m,k] x [k,n] matmul of `dtype` (2*m*k*n FLOPs)."""
   import jax
   import jax.numpy as jnp
   kx, ky = jax.random.split(jax.random.PRNGKey(seed))
-  x, y = jax.random.normal(kx, (m, k)), jax.random.normal(ky, (k, n))
+  x, y = (jax.random.normal(k_, shape).astype(dtype) for k_, shape in ((kx, (m, k)), (ky, (k, n))))
   best, _ = best_time(jax.jit(jnp.matmul), (x, y), reps)
   return 2 * m * k * n / best
 

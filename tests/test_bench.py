@@ -27,11 +27,12 @@ def test_bench_decode_quick(tmp_path):
   res = bench_decode.main(["--quick", f"--json={out}"])
   got = json.loads(out.read_text())
   assert set(got) == {"config", "ours", "hf", "hf_by_threads", "ratio_tokens_per_s", "ratio_decode_tokens_per_s",
-                      "ratio_prefill_time", "greedy_match", "greedy_match_fraction", "roofline"}
+                      "ratio_prefill_time", "greedy_match", "greedy_match_fraction", "mismatch_logit_gaps", "roofline"}
   rf = got["roofline"]
-  assert all(_positive(rf[k]) for k in ("bytes_per_s", "matmul_flops_per_s", "limit_step_s", "ours_step_s"))
-  assert rf["ours_over_limit"] == pytest.approx(rf["ours_step_s"] / rf["limit_step_s"])
+  assert all(_positive(rf[k]) for k in ("bytes_per_s", "matmul_flops_per_s", "floor_s", "floor_step_s"))
+  assert rf["ours_over_floor"] == pytest.approx(got["ours"]["total_s_best"] / rf["floor_s"])
   assert rf["ours_step_s"] == pytest.approx(got["ours"]["decode_s_best"] / got["config"]["new_tokens"])
+  assert rf["floor_step_s"] * (got["config"]["new_tokens"] - 1) < rf["floor_s"]  # the prefill is in the floor
   assert got["ratio_tokens_per_s"] == pytest.approx(res["ratio_tokens_per_s"])
   for side in ("ours", "hf"):
     for k in ("prefill_s_best", "decode_s_best", "total_s_best", "tokens_per_s", "decode_tokens_per_s"):
@@ -42,7 +43,7 @@ def test_bench_decode_quick(tmp_path):
   assert got["ratio_tokens_per_s"] == pytest.approx(got["ours"]["tokens_per_s"] / got["hf"]["tokens_per_s"])
   assert list(got["hf_by_threads"]) == ["1"] and got["hf"]["threads"] == 1
   # Same fp32 checkpoint, same prompts, greedy: the engine and transformers make the same tokens.
-  assert got["greedy_match"] and got["greedy_match_fraction"] == 1.0
+  assert got["greedy_match"] and got["greedy_match_fraction"] == 1.0 and got["mismatch_logit_gaps"] == []
 
 
 def test_bench_train_quick(tmp_path):
