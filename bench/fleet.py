@@ -363,15 +363,14 @@ def pull_records(run):
 
 
 def pull_check(run):
-  """Totals of every pull of the run, and the versions a worker tagged rollouts with that it had not pulled
-  (must be none)."""
+  """Totals of every pull of the run; an AssertionError names the versions a worker tagged rollouts with that it
+  had not pulled (like exactly_once, it fails the bench)."""
   recs = pull_records(run)
   pulled = {(r["wid"], r["version"]) for r in recs if "version" in r}
+  bad = sorted({f"{r['wid']}:v{r['tagged']}" for r in recs if "tagged" in r and (r["wid"], r["tagged"]) not in pulled})
+  assert not bad, f"rollouts tagged with versions their worker never pulled: {bad[:10]}"
   return dict(pulls=len(pulled), bytes=sum(r.get("bytes", 0) for r in recs),
-              full_bytes=sum(r.get("full_bytes", 0) for r in recs),
-              tagged=len([r for r in recs if "tagged" in r]),
-              tagged_not_held=sorted({f"{r['wid']}:v{r['tagged']}" for r in recs
-                                      if "tagged" in r and (r["wid"], r["tagged"]) not in pulled}))
+              full_bytes=sum(r.get("full_bytes", 0) for r in recs), tagged=len([r for r in recs if "tagged" in r]))
 
 
 def measure_phase(fleet, n):

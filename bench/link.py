@@ -7,7 +7,8 @@ Traffic only between the two namespaces (and each one's loopback).
 
 1. Inputs measured here. Over the server namespace's loopback (no shaping): the serving rate of one shard server
    to --workers concurrent full pulls, 8 each (aggregate wall rate, and bytes per second of the server's own CPU
-   time, read from /proc: what one core of it serves), and the loopback delta sync (commit to the last worker's
+   time, read from /proc: what one core of it serves; and each puller's, bytes received per core-second, crc
+   checks included), and the loopback delta sync (commit to the last worker's
    apply). In this process, on the same synthetic weights: the server's delta build (param_server.delta_encode +
    the payload crc, bytes of the version per core-second) and a worker's decode (crc check + delta_decode, payload
    bytes per core-second), each on 1 thread and on 2 threads (distinct tensors: how they scale over cores).
@@ -18,7 +19,7 @@ Traffic only between the two namespaces (and each one's loopback).
    TPU table, one shard server per host, 128 workers each holding the whole model, 25 GB/s per v5p host (the issue's
    figure from the Cloud TPU docs: 200 Gbit/s), the rates from 1., the delta fraction from RESULTS.md "Delta weight
    sync" (bench.sharded --delta: 125M params, bf16, lr 1e-6). Full sync: every worker's bytes through one server
-   process per host. Delta sync, its steps summed (no overlap assumed): each server builds its shard's delta, serves
+   process per host, each worker receiving the whole model. Delta sync, its steps summed (no overlap assumed): each server builds its shard's delta, serves
    it to every worker, each worker decodes the whole model's payload (the patches' device scatter is left out: an
    HBM-local pass, milliseconds at the docs' 2,765 GB/s per v5p chip, not measured here). Each is printed with
    --cores cores per role and with 1 (throughput assumed linear in cores: 1. measures it on 2), with the cores each
@@ -74,15 +75,16 @@ print("V1", t, flush=True)
 
 PULL = """
 import json, sys, time
-import ml_dtypes, numpy as np, param_server as ps  # (imported before the clock starts)
+import common, ml_dtypes, numpy as np, param_server as ps  # (imported before the clock starts)
+common.tune_malloc()  # as rollout.py's worker does
 addr, out, reps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 c, clients = ps.connect(addr, token=%r), {}
 m0 = c.manifest(wait_s=60)
 want = {k: [tuple((0, d) for d in t["shape"])] for k, t in m0["tensors"].items()}
-t0 = time.time(); st = {}
+t0, c0 = time.time(), time.process_time(); st = {}
 for _ in range(reps):  # (repeated: enough bytes for the server's CPU time, read in clock ticks)
   held = {name: bufs for name, bufs, _ in ps.pull_slices(m0, want, clients, stats=st, token=%r)}
-r = dict(full_start=t0, full_end=time.time(), full_bytes=reps * st["bytes"])
+r = dict(full_start=t0, full_end=time.time(), full_bytes=reps * st["bytes"], full_cpu=time.process_time() - c0)
 open(out + ".held", "w").close()
 m1 = c.manifest(newer_than=0, wait_s=120)
 t1 = time.time(); st = {}
@@ -241,12 +243,13 @@ def main():
     recs, t1, serve_cpu = run_sync(ns_a, ns_a, "127.0.0.1", a.model_mb, a.changed, a.workers, tmp, reps=8)
     served = sum(r["full_bytes"] for r in recs)
     serve = served / (max(r["full_end"] for r in recs) - min(r["full_start"] for r in recs))
-    serve_core = served / serve_cpu
+    serve_core, receive_core = served / serve_cpu, served / sum(r["full_cpu"] for r in recs)
     d = statistics_mean([r["delta_bytes"] / r["delta_full_bytes"] for r in recs])
     delta_lo = max(r["delta_end"] for r in recs) - t1  # staging, commit, the server's delta build, every apply
     (build, decode, _), (build2, decode2, _) = (codec_rates(a.model_mb, a.changed, k) for k in (1, 2))
     print(f"measured, loopback: one server serves {a.workers} concurrent full pulls at {serve / 1e6:.0f} MB/s "
-          f"aggregate, {serve_core / 1e6:.0f} MB per second of its CPU time; {100 * a.changed:.1f}% of elements "
+          f"aggregate, {serve_core / 1e6:.0f} MB per second of its CPU time (a worker receives "
+          f"{receive_core / 1e6:.0f} MB per second of its CPU time); {100 * a.changed:.1f}% of elements "
           f"changed -> delta bytes {100 * d:.2f}% of full; delta sync (commit to the last apply) {delta_lo:.2f} s")
     print(f"measured, codec: the server's delta build {build / 1e6:.0f} MB/s of the version on 1 thread, "
           f"{build2 / 1e6:.0f} on 2; a worker's decode {decode / 1e6:.0f} MB/s of payload on 1 thread, "
@@ -261,10 +264,10 @@ def main():
     print(f"link {a.mbit:g} Mbit/s, {W} workers, {a.model_mb:g} MiB bf16: full sync measured {full:.2f} s, model "
           f"{pf:.2f} s ({'link' if W * M / link_bps >= W * M / serve else 'server'}-bound); delta sync measured "
           f"{delta:.2f} s (commit to the last worker's apply), model {pd:.2f} s")
-  project(serve_core, build, decode, decode2, a.cores)
+  project(serve_core, receive_core, build, decode, decode2, a.cores)
 
 
-def project(serve_core, build, decode, decode2, cores):
+def project(serve_core, receive_core, build, decode, decode2, cores):
   """3. The projection: printed, with every input and its source."""
   hosts, W, model_b, host_bps = v5p_hosts(512), 128, 32.8e9 * 2, V5P_HOST_BYTES_S
   per_server, d = model_b / hosts, MEASURED_DELTA_FRAC
@@ -273,15 +276,16 @@ def project(serve_core, build, decode, decode2, cores):
         f"(launch.sh's table), one shard server each ({per_server / 1e9:.2f} GB), {W} workers each holding the whole "
         f"model. Inputs: {host_bps / 1e9:.0f} GB/s per host (Cloud TPU docs, via issue 41), {V5P_VCPUS} vCPUs per "
         f"v5p host (Cloud TPU docs); per core, measured above on this box: serving {serve_core / 1e9:.2f} GB/s, "
+        f"receiving {receive_core / 1e9:.2f} GB/s, "
         f"delta build {build / 1e9:.2f} GB/s, decode {decode / 1e9:.3f} GB/s of payload ({decode2 / decode:.2f}x "
         f"on 2 threads); delta bytes {100 * d:.2f}% of full (RESULTS.md, bench.sharded --delta). Assumed: c cores "
         f"per role, throughput linear in c (measured to 2 here): a server's connection threads send and build "
-        f"(readers start at random tensors, so they ask different pieces), a worker decodes on one thread per "
-        f"server, so on at most {hosts}. Summed steps, no overlap; the device scatter of the patches is left out "
+        f"(readers start at random tensors, so they ask different pieces), a worker receives and decodes on one "
+        f"thread per server, so on at most {hosts}. Summed steps, no overlap; the device scatter of the patches is left out "
         f"(HBM-local: milliseconds at the docs' 2,765 GB/s per v5p chip; not measured here)")
 
-  def full(c):
-    return floor if serve_core * c >= host_bps else per_server * W / (serve_core * c)
+  def full(c):  # the serving hosts' links or CPU, or each worker's own receive (its link or CPU)
+    return max(floor, per_server * W / (serve_core * c), model_b / min(host_bps, receive_core * min(c, hosts)))
 
   def delta(c):
     return dict(build=per_server / (build * c), wire=per_server * W * d / min(host_bps, serve_core * c),
@@ -292,11 +296,12 @@ def project(serve_core, build, decode, decode2, cores):
 
   steps = delta(cores)
   fn, dn = need(lambda c: full(c) <= 2 * floor), need(lambda c: sum(delta(c).values()) <= 2)
-  print(f"  full sync: network floor {floor:.1f} s; {full(cores):.1f} s with {cores} cores "
-        f"({'the link' if serve_core * cores >= host_bps else 'the server CPU'} binds), {full(1):.1f} s with 1; "
-        f"within 2x the floor from {fn} cores")
+  binds = {floor: "the serving hosts' links", per_server * W / (serve_core * cores): "the server CPU",
+           model_b / min(host_bps, receive_core * min(cores, hosts)): "the workers' receive"}
+  print(f"  full sync: network floor {floor:.1f} s; {full(cores):.1f} s with {cores} cores (bottleneck: "
+        f"{binds[max(binds)]}), {full(1):.1f} s with 1; within 2x the floor from {fn} cores")
   print(f"  delta sync: build {steps['build']:.2f} s + wire {steps['wire']:.2f} s + decode {steps['decode']:.2f} s "
-        f"= {sum(steps.values()):.2f} s with {cores} cores ({max(steps, key=steps.get)} binds), "
+        f"= {sum(steps.values()):.2f} s with {cores} cores (bottleneck: {max(steps, key=steps.get)}), "
         f"{sum(delta(1).values()):.1f} s with 1; goal <= 2 s from {dn} cores")
 
 

@@ -4,6 +4,7 @@ import operator
 import random
 import re
 
+PROMPT = re.compile(r"(\d+)([-+*/])(\d+)=")  # a prompt's operands and operator
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 # Every character arithmetic and countdown write: the built-in tokenizer learns each as a piece of its own.
 ALPHABET = "0123456789+-*/()=:> "
@@ -35,14 +36,14 @@ def _operand(rng, digits):
 
 def units_carry(prompt):
   """Whether a sum's units digits carry into the tens (17+25=: 7+5 >= 10): where the demo's teacher slips."""
-  a, op, b = re.fullmatch(r"(\d+)([-+*/])(\d+)=", prompt).groups()
+  a, op, b = PROMPT.fullmatch(prompt).groups()
   return op == "+" and int(a[-1]) + int(b[-1]) >= 10
 
 
 def split_key(prompt):
   """What data.make_task_problems hashes to hold a problem out: the operator and the operand pair, unordered, so
   that a+b and b+a, and a-b and b-a (the same digits, the other sign), fall on the same side of the split."""
-  a, op, b = re.fullmatch(r"(\d+)([-+*/])(\d+)=", prompt).groups()
+  a, op, b = PROMPT.fullmatch(prompt).groups()
   return f"{op}{min(int(a), int(b))},{max(int(a), int(b))}"
 
 
