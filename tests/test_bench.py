@@ -143,4 +143,9 @@ def test_link_bench_crosses_a_shaped_veth_and_removes_its_namespaces():
   assert 0.25 < full / model_s < 4 and delta < full, out.stdout
   assert (2 * 8 * 2**20 * 8 / 200e6) * 0.9 < full  # a tbf at 200 Mbit/s cannot be beaten
   assert "PROJECTION (not a measurement)" in out.stdout and "64 hosts" in out.stdout
+  # The projection's delta sync is the sum of its printed steps, and a full sync is never under the network floor.
+  d = re.search(r"delta sync: build ([\d.]+) s \+ wire ([\d.]+) s \+ decode ([\d.]+) s = ([\d.]+) s", out.stdout)
+  f = re.search(r"full sync: network floor ([\d.]+) s; ([\d.]+) s with", out.stdout)
+  assert d and f, out.stdout
+  assert float(d[4]) == pytest.approx(sum(map(float, d.group(1, 2, 3))), abs=0.02) and float(f[2]) >= float(f[1])
   assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
