@@ -8,10 +8,10 @@ Traffic only between the two namespaces (and each one's loopback).
 1. Inputs measured here. Over the server namespace's loopback (no shaping): the serving rate of one shard server
    to --workers concurrent full pulls, 8 each (aggregate wall rate, and bytes per second of the server's own CPU
    time, read from /proc: what one core of it serves; and each puller's, bytes received per core-second, crc
-   checks included), and the loopback delta sync (commit to the last worker's
-   apply). In this process, on the same synthetic weights: the server's delta build (param_server.delta_encode +
-   the payload crc, bytes of the version per core-second) and a worker's decode (crc check + delta_decode, payload
-   bytes per core-second), each on 1 thread and on 2 threads (distinct tensors: how they scale over cores).
+   checks included), and the loopback delta sync (commit to the last worker's apply). In this process, on the
+   same synthetic weights: the server's delta build (param_server.delta_encode + the payload crc, bytes of the
+   version per core-second) and a worker's decode (crc check + delta_decode, payload bytes per core-second), each
+   on 1 thread and on 2 threads (distinct tensors: how they scale over cores).
 2. The link: a version of --model_mb (bf16) published, pulled in full by every worker at once, then the next
    version, differing in --changed of its elements, pulled as a delta. Measured beside the model's prediction:
    full = max(W M / link, W M / serve), delta = W M d / link + the loopback delta sync (d: delta bytes / full).
@@ -19,11 +19,12 @@ Traffic only between the two namespaces (and each one's loopback).
    TPU table, one shard server per host, 128 workers each holding the whole model, 25 GB/s per v5p host (the issue's
    figure from the Cloud TPU docs: 200 Gbit/s), the rates from 1., the delta fraction from RESULTS.md "Delta weight
    sync" (bench.sharded --delta: 125M params, bf16, lr 1e-6). Full sync: every worker's bytes through one server
-   process per host, each worker receiving the whole model. Delta sync, its steps summed (no overlap assumed): each server builds its shard's delta, serves
-   it to every worker, each worker decodes the whole model's payload (the patches' device scatter is left out: an
-   HBM-local pass, milliseconds at the docs' 2,765 GB/s per v5p chip, not measured here). Each is printed with
-   --cores cores per role and with 1 (throughput assumed linear in cores: 1. measures it on 2), with the cores each
-   goal needs beside a v5p host's 208 vCPUs (the docs), and the bottleneck named.
+   process per host, each worker receiving the whole model. Delta sync, its steps summed (no overlap assumed):
+   each server builds its shard's delta, serves it to every worker, each worker decodes the whole model's payload
+   (the patches' device scatter is left out: an HBM-local pass, milliseconds at the docs' 2,765 GB/s per v5p chip,
+   not measured here). Each is printed with --cores cores per role and with 1 (throughput assumed linear in cores:
+   1. measures it on 2), with the cores each goal needs beside a v5p host's 208 vCPUs (the docs), and the
+   bottleneck named.
 
   sudo python -m bench.link                                     # 64 MiB model, 2 workers, 400 Mbit/s (~15 s)
   sudo python -m bench.link --model_mb=8 --workers=2 --mbit=200    (the test's size)
@@ -33,6 +34,7 @@ import contextlib
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -244,7 +246,7 @@ def main():
     served = sum(r["full_bytes"] for r in recs)
     serve = served / (max(r["full_end"] for r in recs) - min(r["full_start"] for r in recs))
     serve_core, receive_core = served / serve_cpu, served / sum(r["full_cpu"] for r in recs)
-    d = statistics_mean([r["delta_bytes"] / r["delta_full_bytes"] for r in recs])
+    d = statistics.mean(r["delta_bytes"] / r["delta_full_bytes"] for r in recs)
     delta_lo = max(r["delta_end"] for r in recs) - t1  # staging, commit, the server's delta build, every apply
     (build, decode, _), (build2, decode2, _) = (codec_rates(a.model_mb, a.changed, k) for k in (1, 2))
     print(f"measured, loopback: one server serves {a.workers} concurrent full pulls at {serve / 1e6:.0f} MB/s "
@@ -281,11 +283,15 @@ def project(serve_core, receive_core, build, decode, decode2, cores):
         f"on 2 threads); delta bytes {100 * d:.2f}% of full (RESULTS.md, bench.sharded --delta). Assumed: c cores "
         f"per role, throughput linear in c (measured to 2 here): a server's connection threads send and build "
         f"(readers start at random tensors, so they ask different pieces), a worker receives and decodes on one "
-        f"thread per server, so on at most {hosts}. Summed steps, no overlap; the device scatter of the patches is left out "
-        f"(HBM-local: milliseconds at the docs' 2,765 GB/s per v5p chip; not measured here)")
+        f"thread per server, so on at most {hosts}. Summed steps, no overlap; the device scatter of the patches is "
+        f"left out (HBM-local: milliseconds at the docs' 2,765 GB/s per v5p chip; not measured here)")
 
-  def full(c):  # the serving hosts' links or CPU, or each worker's own receive (its link or CPU)
-    return max(floor, per_server * W / (serve_core * c), model_b / min(host_bps, receive_core * min(c, hosts)))
+  def full_terms(c):  # a full sync's lower bounds: the serving hosts' links or CPU, each worker's own receive
+    return {"the serving hosts' links": floor, "the server CPU": per_server * W / (serve_core * c),
+            "the workers' receive": model_b / min(host_bps, receive_core * min(c, hosts))}
+
+  def full(c):
+    return max(full_terms(c).values())
 
   def delta(c):
     return dict(build=per_server / (build * c), wire=per_server * W * d / min(host_bps, serve_core * c),
@@ -296,17 +302,13 @@ def project(serve_core, receive_core, build, decode, decode2, cores):
 
   steps = delta(cores)
   fn, dn = need(lambda c: full(c) <= 2 * floor), need(lambda c: sum(delta(c).values()) <= 2)
-  binds = {floor: "the serving hosts' links", per_server * W / (serve_core * cores): "the server CPU",
-           model_b / min(host_bps, receive_core * min(cores, hosts)): "the workers' receive"}
+  terms = full_terms(cores)
   print(f"  full sync: network floor {floor:.1f} s; {full(cores):.1f} s with {cores} cores (bottleneck: "
-        f"{binds[max(binds)]}), {full(1):.1f} s with 1; within 2x the floor from {fn} cores")
+        f"{max(terms, key=terms.get)}), {full(1):.1f} s with 1; within 2x the floor from {fn} cores")
   print(f"  delta sync: build {steps['build']:.2f} s + wire {steps['wire']:.2f} s + decode {steps['decode']:.2f} s "
         f"= {sum(steps.values()):.2f} s with {cores} cores (bottleneck: {max(steps, key=steps.get)}), "
         f"{sum(delta(1).values()):.1f} s with 1; goal <= 2 s from {dn} cores")
 
-
-def statistics_mean(xs):
-  return sum(xs) / len(xs)
 
 
 if __name__ == "__main__":
