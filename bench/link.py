@@ -179,7 +179,7 @@ def cpu_s(pid):
 
 
 def codec_rates(mb, changed, threads):
-  """(build, decode, d): the server's delta build (delta_encode + the payload's crc) in version bytes per second and
+  """(build, decode): the server's delta build (delta_encode + the payload's crc) in version bytes per second and
   a worker's decode (crc check + delta_decode) in payload bytes per second, on `threads` threads each working on its
   own tensor of mb/8 MiB (the bench's weights, `changed` of them scaled by 1.01 as PUBLISH does); best of 3."""
   import concurrent.futures
@@ -216,8 +216,7 @@ def codec_rates(mb, changed, threads):
     return min(ts)
 
   tb, td = best(build), best(decode)
-  payload = sum(len(e[1]) for e in encs)
-  return threads * n * 2 / tb, payload / td, payload / (threads * n * 2)
+  return threads * n * 2 / tb, sum(len(e[1]) for e in encs) / td
 
 
 def v5p_hosts(cores):
@@ -248,7 +247,7 @@ def main():
     serve_core, receive_core = served / serve_cpu, served / sum(r["full_cpu"] for r in recs)
     d = statistics.mean(r["delta_bytes"] / r["delta_full_bytes"] for r in recs)
     delta_lo = max(r["delta_end"] for r in recs) - t1  # staging, commit, the server's delta build, every apply
-    (build, decode, _), (build2, decode2, _) = (codec_rates(a.model_mb, a.changed, k) for k in (1, 2))
+    (build, decode), (build2, decode2) = (codec_rates(a.model_mb, a.changed, k) for k in (1, 2))
     print(f"measured, loopback: one server serves {a.workers} concurrent full pulls at {serve / 1e6:.0f} MB/s "
           f"aggregate, {serve_core / 1e6:.0f} MB per second of its CPU time (a worker receives "
           f"{receive_core / 1e6:.0f} MB per second of its CPU time); {100 * a.changed:.1f}% of elements "
