@@ -369,9 +369,10 @@ def delta_encode(new, old, itemsize):
                    value, each split into byte planes: the gaps' high bytes are ~all zero, and an RL step on bf16
                    weights flips only the low mantissa bits of an element, so both compress well. Tried while
                    the changed elements' raw (position, value) pairs are no bigger than the slice itself.
-    "xor_zlib"     zlib level 1 of new XOR old (unchanged elements are zero bytes): wins when most elements
-                   changed (fp32 weights, or the first step after init).
-    "full"         the new bytes themselves, where a delta would be larger.
+    "xor_zlib"     zlib level 1 of new XOR old (unchanged elements are zero bytes): wins when many elements
+                   changed (a third to a half of them, for bf16).
+    "full"         the new bytes, where a delta would be larger or more than half the elements changed (fp32
+                   weights after an Adam step: ~80%; a cached delta of them took a worker 7-10x a full pull).
   On bf16 N(0, 0.02) weights with 1.5% of elements changed, sparse_zlib is 1.1% of the bytes (xor_zlib 3.1%) and
   twice as fast to apply.
   """
@@ -381,6 +382,8 @@ def delta_encode(new, old, itemsize):
   x = np.frombuffer(new, u) ^ np.frombuffer(old, u)
   changed = int(np.count_nonzero(x))
   best = ("full", new)
+  if changed * 2 > x.size:
+    return best[0], best[1], changed
   if changed * (4 + itemsize) <= len(new) and x.size < 2 ** 32:
     pos = np.flatnonzero(x)
     gaps = np.diff(pos, prepend=0).astype("<u4")
@@ -478,8 +481,8 @@ def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None, tok
   host array}, patches {slice: [(dest, kind, a, pos)]}). clients: {"host:port": Client}, filled on demand; token:
   for new ones.
   Delta sync: base = the manifest of an older version the reader holds, held(name, slices) -> the slices it holds;
-  those come as patches (delta_decode's, or "set" for a piece sent in full; dest: the region of the slice) for the
-  reader to apply where they live (rollout.patch on the device; apply_patch: the host reference). A payload with
+  those come as patches (delta_decode's, or "set" for a piece sent in full; dest: the region of the slice; a slice
+  sent whole comes in bufs) for the reader to apply where they live (rollout.patch on the device; apply_patch: the host reference). A payload with
   a bad crc (pcrc) or encoding is fetched in full, as is a piece the server has no base for (a skipped version, a
   restarted server). The server deltas against its own copy of the version the reader names (base_crc): the
   result is as right as the reader's base, and nothing reassembles it to check. stats gets bytes (on the wire),
@@ -520,16 +523,20 @@ def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None, tok
         if covered != math.prod(b - a for a, b in w):
           raise ValueError(f"manifest v{version}: pieces of {name!r} cover {covered} of the "
                            f"{math.prod(b - a for a, b in w)} elements of slice {w}")
+      def take(w, dest, kind, a, pos):  # one piece of slice w, received
+        shape = [hi - lo for lo, hi in w]
+        if kind == "set" and a.size == math.prod(shape):  # all of w in full: kept as received (no copy, no patch:
+          bufs[w] = a.view(dt).reshape(shape)  # pieces are disjoint, so it is w's only one)
+          patches.pop(w, None)
+        elif w in bufs:
+          bufs[w][dest] = a.view(dt).reshape(bufs[w][dest].shape)
+        else:
+          patches[w].append((dest, kind, a, pos))
       while jobs:  # a second pass fetches in full the pieces whose delta payload was bad
         again = {}  # server -> such jobs, without their base_crc
         for k, full, got in pool.map(lambda k: (k, *_get(conns[k], version, base, jobs[k], dt)), list(jobs)):
           for (_, (w, dest)), a in full:
-            if w in bufs and a.size == bufs[w].size:  # the whole slice: the received array itself, no copy
-              bufs[w] = a.reshape(bufs[w].shape)
-            elif w in bufs:
-              bufs[w][dest] = a
-            else:
-              patches[w].append((dest, "set", a.reshape(-1).view(_UINT[dt.itemsize]), None))
+            take(w, dest, "set", a.reshape(-1).view(_UINT[dt.itemsize]), None)
             st["bytes"] += a.nbytes
           for (req, (w, dest)), r, patch in got:
             st["bytes"] += len(r["data"])
@@ -538,7 +545,7 @@ def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None, tok
               st["changed_bytes"] += r["changed"] * dt.itemsize
               st["covered_bytes"] += math.prod(d.stop - d.start for d in dest) * dt.itemsize
             if patch:
-              patches[w].append((dest, *patch))
+              take(w, dest, *patch)
             else:
               st["fallbacks"] += 1
               again.setdefault(k, []).append(({kk: v for kk, v in req.items() if kk != "base_crc"}, (w, dest)))

@@ -882,7 +882,8 @@ def pull_weights(manifest, shardings, clients, base=None, stats=None, token=None
     ready = {w: [placed(p, tuple(hi - lo for lo, hi in w)) for p in ps] for w, ps in patches.items()}  # once a slice
     out[name] = jax.make_array_from_single_device_arrays(
         tuple(manifest["tensors"][name]["shape"]), sh[name],
-        [functools.reduce(lambda x, q: _patch(x, *q), ready[w], shards[name][w, d]) if w in ready
+        [functools.reduce(lambda x, iq: (_patch_again if iq[0] else _patch)(x, *iq[1]), enumerate(ready[w]),
+                          shards[name][w, d]) if w in ready
          else jax.device_put(bufs[w], d) for w, ds in wanted[name].items() for d in ds])
   if stats is not None:
     stats.update(st)
@@ -905,18 +906,23 @@ def placed(p, shape):
   return a, pos, dest, kind
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4))  # dest, kind
-def _patch(x, a, pos, dest, kind):
-  # Bitwise, as the server encoded it: the weights' bits viewed as unsigned ints of the same width.
-  u = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+def _patch_fn(x, a, pos, dest, kind):
+  # Bitwise: the patched elements' bits as unsigned ints XORed and written back in x's dtype (a move); only they are
+  # bitcast (all of x costs XLA CPU two copies), except bf16, which XLA CPU moves through fp32 (canonicalizing NaN
+  # payloads, tests/test_delta.py): a bf16 x is patched as uint16.
+  bits, back = (functools.partial(jax.lax.bitcast_convert_type, new_dtype=t) for t in (a.dtype, x.dtype))
+  if x.dtype == jnp.bfloat16:
+    return back(_patch_fn(bits(x), a, pos, dest, kind))
+  if kind == "sparse":  # padding positions are out of range: their reads fill, their writes are dropped
+    flat = x.reshape(-1)
+    return flat.at[pos].set(back(bits(flat.at[pos].get(mode="fill", fill_value=0)) ^ a), mode="drop").reshape(x.shape)
   region = tuple(slice(lo, hi) for lo, hi in dest)
-  if kind == "sparse":  # padding positions are out of range: their writes are dropped
-    flat = u.reshape(-1)
-    u = flat.at[pos].set(flat.at[pos].get(mode="fill", fill_value=0) ^ a, mode="drop").reshape(u.shape)
-  else:
-    new = a.reshape(u[region].shape)
-    u = u.at[region].set(new if kind == "set" else u[region] ^ new)
-  return jax.lax.bitcast_convert_type(u, x.dtype)
+  new = a.reshape(x[region].shape)
+  return x.at[region].set(back(new if kind == "set" else bits(x[region]) ^ new))
+
+
+_patch = jax.jit(_patch_fn, static_argnums=(3, 4))  # dest, kind: x stays (the version in use)
+_patch_again = jax.jit(_patch_fn, static_argnums=(3, 4), donate_argnums=(0,))  # x: a copy _patch made
 
 
 class Puller:

@@ -1,4 +1,4 @@
-"""bench_sharded.py: the pod-scale data path measured on one box: a 4-process gloo trainer (2 fake CPU devices
+"""bench/sharded.py: the pod-scale data path measured on one box: a 4-process gloo trainer (2 fake CPU devices
 each, fsdp over 8) publishing a >= 100M-parameter model to 1, 2 and 4 shard servers (param_server.py processes),
 an orbax checkpoint of params + Adam state, and a TP=2 worker pulling the newest version (reshard on pull).
 
@@ -7,20 +7,23 @@ full-state sizes and that process's own shard; bytes sent per version; time per 
 servers; then the worker's bytes pulled, time, and a bit-exact check; then a PROJECTION for QwQ-32B built from
 the measured throughputs and the byte counts (assumptions printed), beside the anchors' reported figures.
 
-  python bench_sharded.py                          (~125M params; the machine may be shared: see the note)
-  python bench_sharded.py --d_model=256 --n_layers=2 --vocab=4096   (quick)
+  python -m bench.sharded                          (~125M params; the machine may be shared: see the note)
+  python -m bench.sharded --d_model=256 --n_layers=2 --vocab=4096   (quick)
 
 --delta: delta weight sync instead (issue 18). One trainer process takes --steps Adam steps (lr --lr, default 1e-6)
 on random tokens (next-token loss on the 125M-param default model: honest "a few RL-sized steps", not RL), publishes
-each version as bf16 to a param_server.py process, and three workers (in this process, one after the other) pull it:
-one in full, one as a delta against the version it holds (the first asker: it also waits for the server to build the
-delta), one more delta (served from the server's cache, like the rest of a fleet). Prints per version: fraction of
-bytes changed, bytes moved, and pull time delta vs full, all bit-checked.
+each version as bf16 (--dtype) to a param_server.py process, and three workers (in this process, one after the
+other, with rollout.py's common.tune_malloc()) pull it: one in full, one as a delta against the version it holds
+(the first asker: it also waits for the server to build the delta), one more delta (served from the server's
+cache, like the rest of a fleet). Prints per version: fraction of bytes changed, bytes moved, and pull time delta
+vs full, all bit-checked.
 
-  python bench_sharded.py --delta --steps=4 --lr=1e-6          (125M params, ~3 min on 2 cores)
+  python -m bench.sharded --delta --steps=4 --lr=1e-6          (125M params, ~3 min on 2 cores)
+  python -m bench.sharded --delta --steps=4 --dtype=float32    (the same with fp32 workers, train.py's default)
 """
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -114,9 +117,15 @@ def main():
   ap.add_argument("--steps", type=int, default=4, help="--delta: trainer steps, one published version each")
   ap.add_argument("--lr", type=float, default=1e-6, help="--delta: Adam learning rate")
   ap.add_argument("--seq", type=int, default=128, help="--delta: tokens per sequence (batch of 2)")
+  ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                  help="--delta: the published (worker) weight dtype (default bfloat16; train.py's default is float32)")
+  ap.add_argument("--apply", action="store_true", help="time one sparse delta applied on the device (docstring)")
+  ap.add_argument("--changed", type=float, default=0.023, help="--apply: fraction of elements changed (default 0.023)")
   a = ap.parse_args()
   if a.delta:
     return delta_bench(a)
+  if a.apply:
+    return apply_bench(a)
   if a.trainer:
     n, i, port, servers, ckpt = a.trainer
     return trainer(a, int(n), int(i), int(port), servers.split(","), ckpt)
@@ -201,6 +210,8 @@ def start_servers(n, prefix):
 
 
 def delta_bench(a):
+  import common
+  common.tune_malloc()  # as a worker runs (rollout.py): XLA's fresh buffers reuse the heap instead of faulting
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -225,14 +236,15 @@ def delta_bench(a):
       upd, opt_state = opt.update(g, opt_state, params)
       return optax.apply_updates(params, upd), opt_state
 
-    to_bf16 = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p))
+    cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(a.dtype), p))
     trainer = [param_server.connect(addrs[0], token="t")]
     meta = dict(config=cfg.to_hf_dict(), sampling={})
     held = {"full": None, "delta": None, "delta2": None}  # worker -> (manifest, params) it holds
     clients = {w: {} for w in held}
     reader = param_server.connect(addrs[0], token="t")
     rows = []
-    print(f"model: {n_params / 1e6:.0f}M params, published as bf16 ({2 * n_params / 2**20:.0f} MiB); Adam lr "
+    print(f"model: {n_params / 1e6:.0f}M params, published as {a.dtype} ({jnp.dtype(a.dtype).itemsize * n_params / 2**20:.0f}"
+          f" MiB); Adam lr "
           f"{a.lr:g} on random tokens (batch 2 x {a.seq}); 1 param_server.py process, loopback; 2-core CPU box")
     for v in range(a.steps + 1):
       if v:
@@ -241,7 +253,7 @@ def delta_bench(a):
         params, opt_state = step(params, opt_state, tokens)
         jax.block_until_ready(params)
         train_s = time.perf_counter() - t
-      pub = to_bf16(params)
+      pub = cast(params)
       t = time.perf_counter()
       train.publish_shards(trainer, v, pub, meta)
       publish_s = time.perf_counter() - t
@@ -278,6 +290,55 @@ def delta_bench(a):
             f" | {f['s']:.2f} s | {d['s']:.2f} s | {d2['s']:.2f} s |")
     print("\nanchors (verl, reported): 1-3% changed bytes per step for dense models; Qwen3-235B delta sync 11-15 s "
           "vs 246-266 s full NCCL broadcast")
+
+
+def apply_bench(a):
+  """--apply: one sparse delta (--changed of the elements, their low bits flipped) applied on the device to a
+  [vocab, d_model] tensor, per dtype, best of 5 in ms: rollout._patch (into a new buffer: the version in use stays),
+  rollout._patch_again (donated: in place), the same donated patch bitcasting the whole tensor to uint (the
+  formulation before session 27), and numpy's in-place XOR on host memory (param_server.apply_patch's core)."""
+  import common
+  common.tune_malloc()  # as a worker runs
+  import jax
+  import numpy as np
+  import param_server as ps
+  import rollout
+
+  @functools.partial(jax.jit, static_argnums=(3, 4), donate_argnums=(0,))
+  def whole(x, d, pos, dest, kind):
+    u = jax.lax.bitcast_convert_type(x, d.dtype).reshape(-1)
+    u = u.at[pos].set(u.at[pos].get(mode="fill", fill_value=0) ^ d, mode="drop")
+    return jax.lax.bitcast_convert_type(u.reshape(x.shape), x.dtype)
+
+  rng, shape = np.random.default_rng(0), (a.vocab, a.d_model)
+  for dt in ("float32", "bfloat16"):
+    x = rng.normal(0, 0.02, shape).astype(jax.numpy.dtype(dt))
+    old = x.view(f"uint{8 * x.itemsize}").reshape(-1)
+    new = old.copy()
+    m = rng.random(old.size) < a.changed
+    new[m] ^= rng.integers(1, 4, int(m.sum()), dtype=old.dtype)
+    kind, d, pos = ps.delta_decode(*ps.delta_encode(new.tobytes(), old.tobytes(), x.itemsize)[:2], old.size, x.itemsize)
+    assert kind == "sparse", kind
+    p = rollout.placed(((slice(0, shape[0]), slice(0, shape[1])), kind, d, pos), shape)
+    ms = {}
+    for name, f, donate in (("_patch (new buffer)", rollout._patch, False), ("_patch_again (in place)",
+                            rollout._patch_again, True), ("whole-tensor bitcast (in place)", whole, True)):
+      xs = [jax.device_put(x) for _ in range(6)] if donate else [jax.device_put(x)] * 6
+      ts = []
+      for xi in xs:  # the first compiles
+        t = time.perf_counter()
+        y = jax.block_until_ready(f(xi, *p))
+        ts.append(time.perf_counter() - t)
+      assert np.array_equal(np.asarray(y).view(new.dtype).reshape(-1), new), name  # bit for bit
+      ms[name] = 1e3 * min(ts[1:])
+    ts = []
+    for _ in range(5):
+      h = old.copy()
+      t = time.perf_counter()
+      h[pos] ^= d
+      ts.append(time.perf_counter() - t)
+    ms["numpy XOR (host, in place)"] = 1e3 * min(ts)
+    print(f"{dt} {list(shape)}, {100 * m.mean():.2f}% changed: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()))
 
 
 def project(publish_conn_bps, serve_bps, pull_bps):
