@@ -3,6 +3,7 @@ benches run at tiny shapes."""
 import dataclasses
 import json
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +109,15 @@ def test_logprob_memory_report_runs():
 def test_kernel_bench_reference_cases_run(capsys):
   bench_kernels._bench_cases("ref", jnp.float32, 1, 16, 2, 1, 8, 32, 1e9, 1e9, "ref")
   assert capsys.readouterr().out.count("GFLOP/s") == 3  # attention fwd, fwd+bwd, ragged decode
+
+
+def test_delta_apply_bench_runs_and_checks_bits(capsys, monkeypatch):
+  import common
+  from bench import sharded
+  monkeypatch.setattr(common, "tune_malloc", lambda: None)  # never in the test process (conftest.py)
+  monkeypatch.setattr(sys, "argv", ["sharded", "--apply", "--vocab=64", "--d_model=32", "--changed=0.1"])
+  sharded.main()  # asserts every apply bit-identical to the new version
+  assert capsys.readouterr().out.count("% changed: _patch (new buffer)") == 2  # fp32 and bf16
 
 
 def test_real_model_heldout_numbers_never_in_training():
