@@ -858,7 +858,7 @@ def pull_weights(manifest, shardings, clients, base=None, stats=None, token=None
   tree): only the distinct slices this process's devices hold (param_server.pull_slices). clients: dict
   "host:port" -> Client, filled on demand. Returns (pytree of jax.Array, bytes pulled). base=(manifest, params)
   the reader holds now (what an earlier pull returned with the same shardings): each slice it holds comes as a
-  delta, applied on each device that holds the slice (_patch), so a pull moves and touches only what changed,
+  delta, applied on each device that holds the slice (_apply), so a pull moves and touches only what changed,
   never a host copy of the model; pull_slices says what `stats` gets. token: for the clients it opens. A malformed
   manifest raises ValueError, like a failed pull."""
   param_server.check_manifest(manifest)
@@ -882,19 +882,17 @@ def pull_weights(manifest, shardings, clients, base=None, stats=None, token=None
     ready = {w: [placed(p, tuple(hi - lo for lo, hi in w)) for p in ps] for w, ps in patches.items()}  # once a slice
     out[name] = jax.make_array_from_single_device_arrays(
         tuple(manifest["tensors"][name]["shape"]), sh[name],
-        [functools.reduce(lambda x, iq: (_patch_again if iq[0] else _patch)(x, *iq[1]), enumerate(ready[w]),
-                          shards[name][w, d]) if w in ready
-         else jax.device_put(bufs[w], d) for w, ds in wanted[name].items() for d in ds])
+        [_apply(shards[name][w, d], ready[w]) if w in ready else jax.device_put(bufs[w], d)
+         for w, ds in wanted[name].items() for d in ds])
   if stats is not None:
     stats.update(st)
   return param_server.unflatten(out), st["bytes"]
 
 
 def placed(p, shape):
-  """One pull_slices patch (dest, kind, a, pos) of a slice of `shape`, ready for _patch(x, *placed(...)), once per
-  slice however many devices hold it: a sparse patch's region positions turned into positions in the slice, padded
-  to a power of two (few compiled shapes). _patch returns the patched slice as a new array on x's device (x stays:
-  it is the version in use); only the patch's elements cross to the device."""
+  """One pull_slices patch (dest, kind, a, pos) of a slice of `shape`, ready for _apply, once per slice however
+  many devices hold it: a sparse patch's region positions turned into positions in the slice, padded to a power of
+  two (few compiled shapes). Only the patch's elements cross to the device."""
   dest, kind, a, pos = p
   dest = tuple((d.start, d.stop) for d in dest)
   if kind == "sparse":
@@ -906,13 +904,22 @@ def placed(p, shape):
   return a, pos, dest, kind
 
 
+def _apply(x, patches):
+  """The slice x (a device array: the version in use, it stays) with `patches` (placed's) applied, bit for bit, in a
+  new array on its device: the first patch writes it, the rest patch it in place (donated), so a slice under k
+  trainer pieces costs one copy, not k. A bf16 slice is patched as uint16 between one bitcast each way: XLA CPU
+  moves bf16 through fp32, which canonicalizes NaN payloads (tests/test_delta.py)."""
+  raw = x.dtype == jnp.bfloat16
+  y = _bitcast(x, jnp.dtype(jnp.uint16)) if raw else x
+  for i, q in enumerate(patches):
+    y = (_patch_again if i or raw else _patch)(y, *q)
+  return _bitcast(y, x.dtype) if raw else y
+
+
 def _patch_fn(x, a, pos, dest, kind):
-  # Bitwise: the patched elements' bits as unsigned ints XORed and written back in x's dtype (a move); only they are
-  # bitcast (all of x costs XLA CPU two copies), except bf16, which XLA CPU moves through fp32 (canonicalizing NaN
-  # payloads, tests/test_delta.py): a bf16 x is patched as uint16.
+  # The patched elements' bits as unsigned ints, XORed and written back in x's dtype (a move): only they are
+  # bitcast, where bitcasting all of x costs XLA CPU two copies of it.
   bits, back = (functools.partial(jax.lax.bitcast_convert_type, new_dtype=t) for t in (a.dtype, x.dtype))
-  if x.dtype == jnp.bfloat16:
-    return back(_patch_fn(bits(x), a, pos, dest, kind))
   if kind == "sparse":  # padding positions are out of range: their reads fill, their writes are dropped
     flat = x.reshape(-1)
     return flat.at[pos].set(back(bits(flat.at[pos].get(mode="fill", fill_value=0)) ^ a), mode="drop").reshape(x.shape)
@@ -921,8 +928,9 @@ def _patch_fn(x, a, pos, dest, kind):
   return x.at[region].set(back(new if kind == "set" else bits(x[region]) ^ new))
 
 
-_patch = jax.jit(_patch_fn, static_argnums=(3, 4))  # dest, kind: x stays (the version in use)
-_patch_again = jax.jit(_patch_fn, static_argnums=(3, 4), donate_argnums=(0,))  # x: a copy _patch made
+_patch = jax.jit(_patch_fn, static_argnums=(3, 4))  # dest, kind: x stays
+_patch_again = jax.jit(_patch_fn, static_argnums=(3, 4), donate_argnums=(0,))  # x: a copy _apply made
+_bitcast = jax.jit(jax.lax.bitcast_convert_type, static_argnums=(1,))
 
 
 class Puller:

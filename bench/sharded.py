@@ -121,6 +121,7 @@ def main():
                   help="--delta: the published (worker) weight dtype (default bfloat16; train.py's default is float32)")
   ap.add_argument("--apply", action="store_true", help="time one sparse delta applied on the device (docstring)")
   ap.add_argument("--changed", type=float, default=0.023, help="--apply: fraction of elements changed (default 0.023)")
+  ap.add_argument("--pieces", type=int, default=16, help="--apply: row blocks the delta also comes in (default 16)")
   a = ap.parse_args()
   if a.delta:
     return delta_bench(a)
@@ -294,9 +295,11 @@ def delta_bench(a):
 
 def apply_bench(a):
   """--apply: one sparse delta (--changed of the elements, their low bits flipped) applied on the device to a
-  [vocab, d_model] tensor, per dtype, best of 5 in ms: rollout._patch (into a new buffer: the version in use stays),
-  rollout._patch_again (donated: in place), the same donated patch bitcasting the whole tensor to uint (the
-  formulation before session 27), and numpy's in-place XOR on host memory (param_server.apply_patch's core)."""
+  [vocab, d_model] tensor, per dtype, best of 5 in ms: rollout._apply (into a new buffer: the version in use
+  stays), for fp32 rollout._patch_again (donated: in place), the same donated patch bitcasting the whole tensor to
+  uint (the formulation before session 27), and numpy's in-place XOR on host memory (param_server.apply_patch's
+  core); then the same delta in --pieces row blocks (a trainer's fsdp pieces under one worker slice) through
+  rollout._apply and, as before session 27, each piece's patch into a new buffer."""
   import common
   common.tune_malloc()  # as a worker runs
   import jax
@@ -304,11 +307,13 @@ def apply_bench(a):
   import param_server as ps
   import rollout
 
-  @functools.partial(jax.jit, static_argnums=(3, 4), donate_argnums=(0,))
-  def whole(x, d, pos, dest, kind):
+  def whole_fn(x, d, pos, dest, kind):  # bitcasting all of x
     u = jax.lax.bitcast_convert_type(x, d.dtype).reshape(-1)
     u = u.at[pos].set(u.at[pos].get(mode="fill", fill_value=0) ^ d, mode="drop")
     return jax.lax.bitcast_convert_type(u.reshape(x.shape), x.dtype)
+
+  whole = jax.jit(whole_fn, static_argnums=(3, 4), donate_argnums=(0,))
+  whole_copy = jax.jit(whole_fn, static_argnums=(3, 4))
 
   rng, shape = np.random.default_rng(0), (a.vocab, a.d_model)
   for dt in ("float32", "bfloat16"):
@@ -321,8 +326,11 @@ def apply_bench(a):
     assert kind == "sparse", kind
     p = rollout.placed(((slice(0, shape[0]), slice(0, shape[1])), kind, d, pos), shape)
     ms = {}
-    for name, f, donate in (("_patch (new buffer)", rollout._patch, False), ("_patch_again (in place)",
-                            rollout._patch_again, True), ("whole-tensor bitcast (in place)", whole, True)):
+    for name, f, donate in (("rollout._apply (new buffer)", lambda y, *q: rollout._apply(y, [q]), False),
+                            ("_patch_again (in place)", rollout._patch_again, dt == "float32"),
+                            ("whole-tensor bitcast (in place)", whole, True)):
+      if name.startswith("_patch_again") and not donate:
+        continue  # (bf16 goes through _apply's uint16 view)
       xs = [jax.device_put(x) for _ in range(6)] if donate else [jax.device_put(x)] * 6
       ts = []
       for xi in xs:  # the first compiles
@@ -339,6 +347,31 @@ def apply_bench(a):
       ts.append(time.perf_counter() - t)
     ms["numpy XOR (host, in place)"] = 1e3 * min(ts)
     print(f"{dt} {list(shape)}, {100 * m.mean():.2f}% changed: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()))
+    # The same delta in --pieces row blocks (a trainer's fsdp pieces under one worker slice: one patch each), as
+    # pull_weights applies them (the first into a new buffer, the rest in place) and each into a new buffer.
+    rows = shape[0] // a.pieces
+    ps_ = []
+    for i in range(a.pieces):
+      lo, hi = i * rows * shape[1], (i + 1) * rows * shape[1]
+      kind, d, pos = ps.delta_decode(*ps.delta_encode(new[lo:hi].tobytes(), old[lo:hi].tobytes(), x.itemsize)[:2],
+                                     hi - lo, x.itemsize)
+      ps_.append(rollout.placed(((slice(i * rows, (i + 1) * rows), slice(0, shape[1])), kind, d, pos), shape))
+    want = new.reshape(shape)[:rows * a.pieces]
+    def each(y, qs):
+      for q in qs:
+        y = whole_copy(y, *q)
+      return y
+
+    for name, f in (("rollout._apply (one copy, the rest in place)", rollout._apply),
+                    ("each into a new buffer, bitcasting all of it", each)):
+      ts = []
+      for _ in range(4):  # the first compiles
+        y = jax.device_put(x)
+        t = time.perf_counter()
+        y = jax.block_until_ready(f(y, ps_))
+        ts.append(time.perf_counter() - t)
+      assert np.array_equal(np.asarray(y).view(new.dtype)[:rows * a.pieces], want), name
+      print(f"  the same in {a.pieces} pieces, {name}: {1e3 * min(ts[1:]):.1f} ms")
 
 
 def project(publish_conn_bps, serve_bps, pull_bps):

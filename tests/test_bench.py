@@ -117,7 +117,8 @@ def test_delta_apply_bench_runs_and_checks_bits(capsys, monkeypatch):
   monkeypatch.setattr(common, "tune_malloc", lambda: None)  # never in the test process (conftest.py)
   monkeypatch.setattr(sys, "argv", ["sharded", "--apply", "--vocab=64", "--d_model=32", "--changed=0.1"])
   sharded.main()  # asserts every apply bit-identical to the new version
-  assert capsys.readouterr().out.count("% changed: _patch (new buffer)") == 2  # fp32 and bf16
+  out = capsys.readouterr().out
+  assert out.count("% changed: rollout._apply (new buffer)") == out.count("pieces, rollout._apply") == 2  # fp32, bf16
 
 
 def test_real_model_heldout_numbers_never_in_training():

@@ -125,14 +125,15 @@ def test_a_delta_payload_damaged_in_transit_is_caught_by_its_crc_and_pulled_in_f
 
 @pytest.mark.parametrize("dtype", [BF16, np.float16, np.float32])
 def test_a_patch_on_the_device_equals_the_host_reference(dtype):
-  """rollout._patch (jitted, on the slice's device) against param_server.apply_patch (numpy) for every kind, on a
-  region of the slice (what a trainer piece covers of a worker's column slice), padding positions included; then
-  _patch_again (donating its input) on the result. XORs of every bit width: results include NaN payloads,
-  infinities and subnormals, which must survive bit for bit (XLA CPU canonicalizes NaNs it moves as fp32)."""
+  """rollout._apply (jitted patches on the slice's device) against param_server.apply_patch (numpy) for every kind,
+  on a region of the slice (what a trainer piece covers of a worker's column slice), padding positions included,
+  alone and followed by a second piece's patch (applied in place). XORs of every bit width: results include NaN
+  payloads, infinities and subnormals, which must survive bit for bit (XLA CPU canonicalizes bf16 NaNs it moves)."""
   rng = np.random.default_rng(0)
   x = rng.normal(0, 1, (8, 6)).astype(dtype)
+  held = jax.device_put(x, jax.devices()[3])
   u = np.dtype(f"uint{8 * x.itemsize}")
-  dest = (slice(2, 6), slice(1, 4))
+  dest, dest2 = (slice(2, 6), slice(1, 4)), (slice(6, 8), slice(0, 6))
   pos = np.sort(rng.choice(12, 5, replace=False))
   bits = lambda n: rng.integers(1, np.iinfo(u).max, n, dtype=u, endpoint=True)  # noqa: E731
   # The first patched element becomes a NaN with a payload, the second a subnormal (IEEE 754 bit layouts).
@@ -141,14 +142,15 @@ def test_a_patch_on_the_device_equals_the_host_reference(dtype):
   for kind, a, p in (("set", bits(12), None), ("xor", bits(12), None), ("sparse", bits(5), pos)):
     a[:2] = odd if kind == "set" else odd ^ region[pos[:2] if kind == "sparse" else slice(0, 2)]
     want = ps.apply_patch(x.copy(), dest, kind, a, p)
-    got = rollout._patch(jax.device_put(x, jax.devices()[3]), *rollout.placed((dest, kind, a, p), x.shape))
+    got = rollout._apply(held, [rollout.placed((dest, kind, a, p), x.shape)])
     assert got.devices() == {jax.devices()[3]}
     np.testing.assert_array_equal(np.asarray(got).view(u), want.view(u))
     if kind != "set":  # exactly the patched elements moved (every XOR is non-zero)
       assert (np.asarray(got).view(u) != x.view(u)).sum() == len(a)
-    again = rollout._patch_again(got, *rollout.placed((dest, kind, a, p), x.shape))
-    np.testing.assert_array_equal(np.asarray(again).view(u), ps.apply_patch(want.copy(), dest, kind, a, p).view(u))
-    assert got.is_deleted()  # donated: patched in place
+    a2 = bits(12)
+    two = rollout._apply(held, [rollout.placed(q, x.shape) for q in ((dest, kind, a, p), (dest2, "xor", a2, None))])
+    np.testing.assert_array_equal(np.asarray(two).view(u), ps.apply_patch(want.copy(), dest2, "xor", a2, None).view(u))
+    np.testing.assert_array_equal(np.asarray(held).view(u), x.view(u))  # the version in use stays
 
 
 def test_delta_encoding_picks_the_smallest_and_round_trips():

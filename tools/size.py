@@ -52,9 +52,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # plane at a time, a reply received into reusable memory and a whole slice kept as received (bench.link measures
 # each). Issue 41 item 3 (+13): a delta patch bitcasts only the elements it touches (not all of an fp32 slice) and
 # donates the slice's copy to its further patches, the server sends full bytes where most elements changed (fp32
-# after an Adam step: a worker's delta pull took 7-10x a full pull) and a slice sent whole is kept as received.
+# after an Adam step: a worker's delta pull took 7-10x a full pull) and a slice sent whole is kept as received;
+# then +8, rollout._apply: a slice's patches through one copy (a bf16 one through one uint16 view), where each of a
+# slice's k trainer pieces copied all of it (16 pieces of a [50304, 768] slice: 18-33 ms against 185-379).
 # Raise these only in the commit that needs it, and say why.
-TOTAL_BUDGET = 8788
+TOTAL_BUDGET = 8796
 FILE_BUDGET = 1939  # no single file past this: param_server.py is the largest
 
 
