@@ -482,9 +482,9 @@ def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None, tok
   for new ones.
   Delta sync: base = the manifest of an older version the reader holds, held(name, slices) -> the slices it holds;
   those come as patches (delta_decode's, or "set" for a piece sent in full; dest: the region of the slice; a slice
-  sent whole comes in bufs) for the reader to apply where they live (rollout.patch on the device; apply_patch: the host reference). A payload with
-  a bad crc (pcrc) or encoding is fetched in full, as is a piece the server has no base for (a skipped version, a
-  restarted server). The server deltas against its own copy of the version the reader names (base_crc): the
+  sent whole comes in bufs) to apply where they live (rollout._apply on the device; apply_patch: the host
+  reference). A bad payload (pcrc, encoding) is fetched in full, as is a piece the server has no base for (a
+  skipped version, a restarted server). The server deltas against its own copy of the version the reader names (base_crc): the
   result is as right as the reader's base, and nothing reassembles it to check. stats gets bytes (on the wire),
   full_bytes (a full pull's), changed_bytes / covered_bytes (of the delta pieces), pieces by encoding, fallbacks.
   A malformed manifest raises ValueError (check_manifest), like any failed pull."""
