@@ -484,8 +484,8 @@ def pull_slices(manifest, wanted, clients, base=None, held=None, stats=None, tok
   those come as patches (delta_decode's, or "set" for a piece sent in full; dest: the region of the slice; a slice
   sent whole comes in bufs) to apply where they live (rollout._apply on the device; apply_patch: the host
   reference). A bad payload (pcrc, encoding) is fetched in full, as is a piece the server has no base for (a
-  skipped version, a restarted server). The server deltas against its own copy of the version the reader names (base_crc): the
-  result is as right as the reader's base, and nothing reassembles it to check. stats gets bytes (on the wire),
+  skipped version, a restarted server). The server deltas against its copy of the version the reader names (by
+  base_crc): the result is as right as the reader's base; nothing reassembles it to check. stats gets bytes (wire),
   full_bytes (a full pull's), changed_bytes / covered_bytes (of the delta pieces), pieces by encoding, fallbacks.
   A malformed manifest raises ValueError (check_manifest), like any failed pull."""
   check_manifest(manifest)
