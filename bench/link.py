@@ -309,6 +309,5 @@ def project(serve_core, receive_core, build, decode, decode2, cores):
         f"{sum(delta(1).values()):.1f} s with 1; goal <= 2 s from {dn} cores")
 
 
-
 if __name__ == "__main__":
   main()

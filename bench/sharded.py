@@ -244,9 +244,8 @@ def delta_bench(a):
     clients = {w: {} for w in held}
     reader = param_server.connect(addrs[0], token="t")
     rows = []
-    print(f"model: {n_params / 1e6:.0f}M params, published as {a.dtype} ({jnp.dtype(a.dtype).itemsize * n_params / 2**20:.0f}"
-          f" MiB); Adam lr "
-          f"{a.lr:g} on random tokens (batch 2 x {a.seq}); 1 param_server.py process, loopback; 2-core CPU box")
+    print(f"model: {n_params / 1e6:.0f}M params, published as {a.dtype} "
+          f"({jnp.dtype(a.dtype).itemsize * n_params / 2**20:.0f} MiB); Adam lr {a.lr:g} on random tokens (batch 2 x {a.seq}); 1 param_server.py process, loopback; 2-core CPU box")
     for v in range(a.steps + 1):
       if v:
         t = time.perf_counter()
@@ -315,6 +314,11 @@ def apply_bench(a):
   whole = jax.jit(whole_fn, static_argnums=(3, 4), donate_argnums=(0,))
   whole_copy = jax.jit(whole_fn, static_argnums=(3, 4))
 
+  def each(y, qs):  # every piece's patch into a new buffer (pull_weights before session 27)
+    for q in qs:
+      y = whole_copy(y, *q)
+    return y
+
   rng, shape = np.random.default_rng(0), (a.vocab, a.d_model)
   for dt in ("float32", "bfloat16"):
     x = rng.normal(0, 0.02, shape).astype(jax.numpy.dtype(dt))
@@ -326,11 +330,11 @@ def apply_bench(a):
     assert kind == "sparse", kind
     p = rollout.placed(((slice(0, shape[0]), slice(0, shape[1])), kind, d, pos), shape)
     ms = {}
-    for name, f, donate in (("rollout._apply (new buffer)", lambda y, *q: rollout._apply(y, [q]), False),
-                            ("_patch_again (in place)", rollout._patch_again, dt == "float32"),
-                            ("whole-tensor bitcast (in place)", whole, True)):
-      if name.startswith("_patch_again") and not donate:
-        continue  # (bf16 goes through _apply's uint16 view)
+    cases = [("rollout._apply (new buffer)", lambda y, *q: rollout._apply(y, [q]), False),
+             ("whole-tensor bitcast (in place)", whole, True)]
+    if dt == "float32":  # (bf16 goes through _apply's uint16 view: _patch_again alone is not its path)
+      cases.insert(1, ("_patch_again (in place)", rollout._patch_again, True))
+    for name, f, donate in cases:
       xs = [jax.device_put(x) for _ in range(6)] if donate else [jax.device_put(x)] * 6
       ts = []
       for xi in xs:  # the first compiles
@@ -357,11 +361,6 @@ def apply_bench(a):
                                      hi - lo, x.itemsize)
       ps_.append(rollout.placed(((slice(i * rows, (i + 1) * rows), slice(0, shape[1])), kind, d, pos), shape))
     want = new.reshape(shape)[:rows * a.pieces]
-    def each(y, qs):
-      for q in qs:
-        y = whole_copy(y, *q)
-      return y
-
     for name, f in (("rollout._apply (one copy, the rest in place)", rollout._apply),
                     ("each into a new buffer, bitcasting all of it", each)):
       ts = []
